@@ -1,0 +1,240 @@
+"""Typed run configuration: dataclasses loaded from TOML, overridden by ``--set key=value``.
+
+Every mistake a user can make in a config (unknown key, wrong type, impossible shape, unknown method,
+missing data) raises ``ConfigError`` with one line that names the key and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qklab.data import DataConfig, DataError
+from qklab.methods import CONTROLLERS, METHODS
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config; the message is one line, printed without a traceback."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 0  # 0: taken from the tokenizer
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 0  # 0: same as n_heads (MHA); fewer: GQA
+    d_ff: int = 0  # SwiGLU hidden width; 0: 8/3 * d_model rounded up to a multiple of 64
+    max_seq_len: int = 1024  # RoPE tables and the KV cache are sized from this
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    attn_impl: str = "auto"  # auto | sdpa | eager
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ff_dim(self) -> int:
+        return self.d_ff or 64 * -(-(8 * self.d_model // 3) // 64)
+
+
+@dataclass
+class QKConfig:
+    method: str = "none"  # forward-side method, see qklab.methods.METHODS
+    controller: str = "none"  # optimizer-side controller, see qklab.methods.CONTROLLERS
+    # per-method options, keyed by method name: [qk.softcap] cap = 30.0 -> {"softcap": SoftCapOptions}
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def opts(self, name: str) -> Any:
+        cls = {**METHODS, **CONTROLLERS}[name].Options
+        return self.options.get(name) or cls()
+
+
+@dataclass
+class TrainConfig:
+    name: str = ""  # run directory name under out_dir; "" -> derived from preset, method and seed
+    out_dir: str = "runs"
+    seed: int = 0
+    steps: int = 200
+    batch_size: int = 16
+    seq_len: int = 256
+    grad_accum: int = 1
+    optimizer: str = "adamw"  # adamw | muon
+    lr: float = 3e-3  # peak lr (Muon: for the hidden matrices)
+    adam_lr: float = 0.0  # Muon only: lr of the AdamW groups (embeddings, head, gains); 0 -> lr
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    muon_momentum: float = 0.95
+    schedule: str = "cosine"  # cosine | constant (both after a linear warmup)
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0  # 0: off
+    eval_every: int = 50
+    eval_batches: int = 8
+    ckpt_every: int = 100  # 0: only at the end
+    keep_ckpts: int = 2
+    log_every: int = 10
+    dtype: str = "fp32"  # fp32 | bf16 (autocast; for GPUs)
+    compile: bool = False
+    device: str = "auto"  # auto | cpu | cuda
+    threads: int = 0  # torch intra-op threads; 0: leave torch's default
+    progress: bool = True
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    qk: QKConfig = field(default_factory=QKConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    preset: str = ""
+
+    def validate(self) -> RunConfig:
+        m, t, q = self.model, self.train, self.qk
+        _check(m.d_model > 0 and m.n_layers > 0 and m.n_heads > 0, "model sizes must be positive")
+        _check(m.d_model % m.n_heads == 0,
+               f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}; pick heads that divide the width")
+        _check(m.head_dim % 2 == 0, f"head dim {m.head_dim} must be even for RoPE; change model.n_heads or d_model")
+        _check(m.n_kv_heads >= 0 and m.n_heads % m.kv_heads == 0,
+               f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} (GQA groups)")
+        _check(m.attn_impl in ("auto", "sdpa", "eager"), f"model.attn_impl='{m.attn_impl}': use auto, sdpa or eager")
+        _check(q.method in METHODS, f"qk.method='{q.method}' is unknown; choose one of {sorted(METHODS)}")
+        _check(q.controller in CONTROLLERS,
+               f"qk.controller='{q.controller}' is unknown; choose one of {sorted(CONTROLLERS)}")
+        _check(not (m.attn_impl == "sdpa" and METHODS[q.method].modifies_logits),
+               f"qk.method='{q.method}' rewrites logits, which the fused sdpa path cannot do; "
+               "set model.attn_impl=auto or eager")
+        for name, opts in q.options.items():
+            if hasattr(opts, "validate"):
+                try:
+                    opts.validate()
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
+        _check(t.optimizer in ("adamw", "muon"), f"train.optimizer='{t.optimizer}': use adamw or muon")
+        _check(t.schedule in ("cosine", "constant"), f"train.schedule='{t.schedule}': use cosine or constant")
+        _check(t.dtype in ("fp32", "bf16"), f"train.dtype='{t.dtype}': use fp32 or bf16")
+        _check(t.device in ("auto", "cpu", "cuda"), f"train.device='{t.device}': use auto, cpu or cuda")
+        _check(t.steps > 0 and t.batch_size > 0 and t.seq_len > 1 and t.grad_accum > 0,
+               "train.steps, batch_size, grad_accum must be > 0 and seq_len > 1")
+        _check(t.seq_len <= m.max_seq_len,
+               f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise max_seq_len")
+        _check(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+        try:
+            self.data.validate()
+        except DataError as e:
+            raise ConfigError(str(e)) from None
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+# ---------------------------------------------------------------------------------------------------
+# loading
+
+PRESET_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+def resolve_preset(spec: str) -> Path:
+    """'tiny' or 'configs/tiny.toml' or any path -> an existing TOML file."""
+    p = Path(spec)
+    for cand in (p, PRESET_DIR / p.name, PRESET_DIR / f"{spec}.toml"):
+        if cand.is_file():
+            return cand
+    names = sorted(x.stem for x in PRESET_DIR.glob("*.toml"))
+    raise ConfigError(f"config '{spec}' not found; give a TOML path or a preset name: {', '.join(names)}")
+
+
+def load_config(spec: str | None = None, overrides: list[str] | None = None) -> RunConfig:
+    raw: dict[str, Any] = {}
+    if spec:
+        path = resolve_preset(spec)
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML ({e})") from None
+        raw.setdefault("preset", path.stem)
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set '{item}' must look like key=value, e.g. --set train.lr=1e-3")
+        _set_path(raw, key.strip().split("."), _parse_value(value.strip()))
+    return from_dict(RunConfig, raw).validate()
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # a bare word is a string: --set qk.method=qknorm
+
+
+def _set_path(d: dict[str, Any], keys: list[str], value: Any) -> None:
+    for k in keys[:-1]:
+        nxt = d.setdefault(k, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"--set {'.'.join(keys)}: '{k}' is a value, not a section")
+        d = nxt
+    d[keys[-1]] = value
+
+
+def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from a nested dict, checking keys and types."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"'{prefix.rstrip('.')}' must be a section (table), got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if cls is QKConfig and key in {**METHODS, **CONTROLLERS} and isinstance(value, dict):
+            opts_cls = {**METHODS, **CONTROLLERS}[key].Options
+            kwargs.setdefault("options", {})[key] = from_dict(opts_cls, value, f"{prefix}{key}.")
+            continue
+        if key not in names or key == "options":
+            known = sorted(names - {"options"})
+            raise ConfigError(f"unknown key '{prefix}{key}'; known keys here: {', '.join(known)}")
+        kwargs[key] = _coerce(value, hints[key], f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key + ".")
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], key)
+    if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp in (str, bool) and type(value) is tp:
+        return value
+    if origin in (list, tuple) and isinstance(value, list):
+        (inner, *_) = typing.get_args(tp) or (Any,)
+        out = [v if inner is Any else _coerce(v, inner, key) for v in value]
+        return tuple(out) if origin is tuple else out
+    if tp is Any:
+        return value
+    want = getattr(tp, "__name__", str(tp))
+    raise ConfigError(f"'{key}' must be {want}, got {type(value).__name__} {value!r}")

@@ -1,0 +1,22 @@
+"""Registry of QK methods. Adding a method: one file plus one line here."""
+
+from __future__ import annotations
+
+from qklab.methods.base import AttnShape, QKController, QKMethod
+from qklab.methods.qknorm import QKNorm
+from qklab.methods.softcap import SoftCap
+from qklab.methods.standard import Standard
+
+# forward-side: name -> QKMethod subclass
+METHODS: dict[str, type[QKMethod]] = {
+    "none": Standard,
+    "qknorm": QKNorm,
+    "softcap": SoftCap,
+}
+
+# optimizer-side: name -> QKController subclass
+CONTROLLERS: dict[str, type[QKController]] = {
+    "none": QKController,
+}
+
+__all__ = ["METHODS", "CONTROLLERS", "AttnShape", "QKMethod", "QKController"]

@@ -1,0 +1,112 @@
+"""The one interface for QK methods.
+
+A QK method is either forward-side or optimizer-side:
+
+* ``QKMethod`` (forward-side) is a small ``nn.Module`` owned by each attention layer. It decides the
+  per-head width of the W_Q/W_K projections, maps q and k (before or after RoPE, its choice), the
+  softmax scale, and may rewrite the pre-softmax logits. A method that rewrites logits sets
+  ``modifies_logits = True``; attention then never routes it through a fused kernel that would drop the
+  rewrite.
+* ``QKController`` (optimizer-side) acts around ``optimizer.step()``: ``before_step`` may set per-head
+  learning rates, ``after_step`` may rescale weights. Its state goes into checkpoints.
+
+Adding a method means one new file with a subclass (and its ``Options`` dataclass) plus one registry
+line in ``qklab.methods``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from qklab.model.rope import Rope
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    """What a method needs to know about the attention layer it lives in."""
+
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    layer_idx: int
+    n_layers: int
+
+
+@dataclass
+class NoOptions:
+    """A method without options."""
+
+
+class QKMethod(nn.Module):
+    """Forward-side QK method. The base class is standard attention: scale 1/sqrt(d)."""
+
+    name = "base"
+    Options: type = NoOptions
+    modifies_logits = False  # True: logits(...) changes scores, so only the eager path may run it
+    latent_cache_ok = True  # False: needs per-head keys materialised (cannot keep an MLA latent cache)
+
+    def __init__(self, shape: AttnShape, opts: Any) -> None:
+        super().__init__()
+        self.shape = shape
+        self.opts = opts
+
+    def proj_dim(self) -> int:
+        """Per-head output width of W_Q and W_K."""
+        return self.shape.head_dim
+
+    def feature_dim(self) -> int:
+        """Per-head width of q and k after the map (what enters the dot product and the KV cache)."""
+        return self.proj_dim()
+
+    def map_qk(self, q: torch.Tensor, k: torch.Tensor, rope: Rope, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: (B, H, T, d'), k: (B, Hkv, T, d') straight from the projections; returns the q, k that
+        enter the dot product, RoPE applied. The default applies RoPE only."""
+        return rope(q, pos), rope(k, pos)
+
+    def scale(self, feature_dim: int) -> float:
+        """Softmax scale applied to q.k."""
+        return 1.0 / math.sqrt(feature_dim)
+
+    def logits(self, s: torch.Tensor) -> torch.Tensor:
+        """Rewrite pre-softmax logits s (B, H, Tq, Tk), already scaled, before the mask."""
+        return s
+
+    def reset_parameters(self) -> None:
+        """Initialise the method's own parameters (called from GPT.init_weights)."""
+
+    def extra_repr(self) -> str:
+        return f"name={self.name}, opts={self.opts}"
+
+
+class QKController:
+    """Optimizer-side QK method. The base class does nothing (controller "none")."""
+
+    name = "none"
+    Options: type = NoOptions
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, opts: Any) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.opts = opts
+
+    def before_step(self, step: int) -> None:
+        """Called after gradients are ready and the scheduled lr is set, before optimizer.step()."""
+
+    def after_step(self, step: int) -> None:
+        """Called right after optimizer.step()."""
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass

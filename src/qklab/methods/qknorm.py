@@ -1,0 +1,37 @@
+"""QK-Norm: per-head RMSNorm with a learnable gain on q and k, before RoPE (Qwen3 style).
+
+q_h <- g_q * q_h / rms(q_h),  k_h <- g_k * k_h / rms(k_h); the gains have one entry per head
+coordinate and are shared by all heads, as in Qwen3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from qklab.methods.base import AttnShape, QKMethod
+
+
+@dataclass
+class QKNormOptions:
+    eps: float = 1e-6
+
+
+class QKNorm(QKMethod):
+    name = "qknorm"
+    Options = QKNormOptions
+
+    def __init__(self, shape: AttnShape, opts: QKNormOptions) -> None:
+        super().__init__(shape, opts)
+        self.q_norm = nn.RMSNorm(shape.head_dim, eps=opts.eps)
+        self.k_norm = nn.RMSNorm(shape.head_dim, eps=opts.eps)
+
+    def map_qk(self, q, k, rope, pos):
+        # q: (B, H, T, D), k: (B, Hkv, T, D); normalise over D, then rotate
+        return rope(self.q_norm(q), pos), rope(self.k_norm(k), pos)
+
+    def reset_parameters(self) -> None:
+        self.q_norm.reset_parameters()
+        self.k_norm.reset_parameters()

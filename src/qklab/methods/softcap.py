@@ -1,0 +1,35 @@
+"""Logit soft-capping (Gemma 2): s <- cap * tanh(s / cap) on the scaled logits, before the mask.
+
+It changes the logits, so attention runs it on the eager path only (never a fused kernel that would
+silently skip it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qklab.methods.base import AttnShape, QKMethod
+
+
+@dataclass
+class SoftCapOptions:
+    cap: float = 50.0
+
+    def validate(self) -> None:
+        if not self.cap > 0:
+            raise ValueError(f"qk.softcap.cap must be > 0, got {self.cap}")
+
+
+class SoftCap(QKMethod):
+    name = "softcap"
+    Options = SoftCapOptions
+    modifies_logits = True
+
+    def __init__(self, shape: AttnShape, opts: SoftCapOptions) -> None:
+        super().__init__(shape, opts)
+        self.cap = float(opts.cap)
+
+    def logits(self, s: torch.Tensor) -> torch.Tensor:
+        return self.cap * torch.tanh(s / self.cap)

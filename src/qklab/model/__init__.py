@@ -1,0 +1,5 @@
+from qklab.model.attention import Attention, KVCache
+from qklab.model.gpt import GPT
+from qklab.model.rope import Rope
+
+__all__ = ["GPT", "Attention", "KVCache", "Rope"]

@@ -1,0 +1,99 @@
+"""Causal self-attention (MHA and GQA) with a pluggable QK method.
+
+Two paths compute the same thing:
+* fast: ``F.scaled_dot_product_attention`` (never used when the method rewrites logits);
+* eager: explicit logits -> method.logits -> mask -> softmax, which also lets diagnostics read the
+  pre-softmax logits (set ``attn.capture = {}`` and read ``capture["logits"]``, ``capture["probs"]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qklab.methods import METHODS, AttnShape, QKMethod
+from qklab.model.rope import Rope
+
+
+@dataclass
+class KVCache:
+    """Per-layer cache of post-RoPE keys and values: k (B, Hkv, L, Dk), v (B, Hkv, L, Dv)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        T = k.shape[2]
+        if self.length + T > self.k.shape[2]:
+            raise ValueError(f"KV cache full: {self.length + T} > {self.k.shape[2]} positions")
+        self.k[:, :, self.length : self.length + T] = k
+        self.v[:, :, self.length : self.length + T] = v
+        self.length += T
+        return self.k[:, :, : self.length], self.v[:, :, : self.length]
+
+
+def causal_mask(Tq: int, Tk: int, device: torch.device) -> torch.Tensor:
+    """(Tq, Tk) bool, True where query i (at absolute position Tk - Tq + i) may see key j."""
+    offset = Tk - Tq
+    return torch.ones(Tq, Tk, dtype=torch.bool, device=device).tril(diagonal=offset)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, qk_cfg, layer_idx: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        shape = AttnShape(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, layer_idx, cfg.n_layers)
+        self.qk: QKMethod = METHODS[qk_cfg.method](shape, qk_cfg.opts(qk_cfg.method))
+        dqk = self.qk.proj_dim()
+        self.wq = nn.Linear(cfg.d_model, self.n_heads * dqk, bias=False)
+        self.wk = nn.Linear(cfg.d_model, self.n_kv_heads * dqk, bias=False)
+        self.wv = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=False)
+        self.impl = cfg.attn_impl
+        self.capture: dict[str, torch.Tensor] | None = None
+
+    @property
+    def use_eager(self) -> bool:
+        return self.impl == "eager" or self.qk.modifies_logits or self.capture is not None
+
+    def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache | None = None) -> torch.Tensor:
+        B, T, _ = x.shape  # x: (B, T, C)
+        pos = cache.length if cache is not None else 0
+        q = self.wq(x).view(B, T, self.n_heads, -1).transpose(1, 2)  # (B, H, T, d')
+        k = self.wk(x).view(B, T, self.n_kv_heads, -1).transpose(1, 2)  # (B, Hkv, T, d')
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q, k = self.qk.map_qk(q, k, rope, pos)  # (B, H, T, F), (B, Hkv, T, F)
+        if cache is not None:
+            k, v = cache.append(k, v)  # (B, Hkv, L, F), (B, Hkv, L, D)
+        scale = self.qk.scale(q.shape[-1])
+        if self.use_eager:
+            y = self.eager(q, k, v, scale)
+        else:
+            y = self.sdpa(q, k, v, scale)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
+        return self.wo(y)
+
+    def sdpa(self, q, k, v, scale: float) -> torch.Tensor:
+        Tq, Tk = q.shape[2], k.shape[2]
+        gqa = self.n_kv_heads != self.n_heads
+        if Tq == Tk:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        mask = None if Tq == 1 else causal_mask(Tq, Tk, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+    def eager(self, q, k, v, scale: float) -> torch.Tensor:
+        rep = self.n_heads // self.n_kv_heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H, L, *)
+        s = (q @ k.transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
+        s = self.qk.logits(s)
+        mask = causal_mask(q.shape[2], k.shape[2], q.device)
+        p = torch.softmax(s.float().masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+        if self.capture is not None:
+            self.capture["logits"], self.capture["probs"], self.capture["mask"] = s.detach(), p.detach(), mask
+            self.capture["q"], self.capture["k"] = q.detach(), k.detach()
+        return p @ v  # (B, H, Tq, D)

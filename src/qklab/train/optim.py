@@ -1,0 +1,69 @@
+"""Optimizers and learning-rate schedules.
+
+Every parameter group carries ``base_lr`` (its peak rate) and ``name``; the schedule sets
+``lr = base_lr * lr_mult(step)`` before each step, and an optimizer-side QK controller may then adjust
+individual groups.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from qklab.config import TrainConfig
+
+
+def hidden_matrix_names(model: nn.Module) -> set[str]:
+    """Names of the 2-D weight matrices inside the blocks (Muon's domain): attention and MLP weights.
+    Embeddings, the output head, norms and method parameters are left to AdamW."""
+    return {n for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")}
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Optimizer]:
+    """One optimizer (AdamW) or two (Muon for hidden matrices + AdamW for the rest)."""
+    hidden = hidden_matrix_names(model)
+    params = dict(model.named_parameters())  # shared (tied) weights appear once
+    matrices = [(n, p) for n, p in params.items() if p.ndim >= 2]
+    others = [(n, p) for n, p in params.items() if p.ndim < 2]
+    betas = (cfg.beta1, cfg.beta2)
+    if cfg.optimizer == "adamw":
+        groups = [
+            _group("decay", matrices, cfg.lr, cfg.weight_decay),
+            _group("no_decay", others, cfg.lr, 0.0),
+        ]
+        return [torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=betas, eps=1e-8)]
+    adam_lr = cfg.adam_lr or cfg.lr
+    muon_params = [(n, p) for n, p in matrices if n in hidden]
+    adam_matrices = [(n, p) for n, p in matrices if n not in hidden]
+    muon = torch.optim.Muon(
+        [_group("muon", muon_params, cfg.lr, cfg.weight_decay)],
+        lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, adjust_lr_fn="match_rms_adamw",
+    )
+    adam_groups = [_group("adam_decay", adam_matrices, adam_lr, cfg.weight_decay), _group("no_decay", others, adam_lr, 0.0)]
+    adam = torch.optim.AdamW([g for g in adam_groups if g["params"]], lr=adam_lr, betas=betas, eps=1e-8)
+    return [muon, adam]
+
+
+def _group(name: str, named: list[tuple[str, nn.Parameter]], lr: float, wd: float) -> dict:
+    return {"name": name, "param_names": [n for n, _ in named], "params": [p for _, p in named],
+            "lr": lr, "base_lr": lr, "weight_decay": wd}
+
+
+def lr_mult(step: int, cfg: TrainConfig) -> float:
+    """Multiplier of the peak lr at optimizer step ``step`` (0-based): linear warmup, then cosine decay
+    to ``min_lr_ratio`` at the last step, or constant."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    span = max(1, cfg.steps - cfg.warmup_steps - 1)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizers: list[torch.optim.Optimizer], mult: float) -> None:
+    for opt in optimizers:
+        for g in opt.param_groups:
+            g["lr"] = g["base_lr"] * mult

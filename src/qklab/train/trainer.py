@@ -1,0 +1,224 @@
+"""The training loop: data -> model -> optimizer (+ QK controller) -> metrics and checkpoints."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import platform
+import random
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from qklab.config import ConfigError, RunConfig
+from qklab.data import PreparedData, TokenLoader, prepare_data
+from qklab.methods import CONTROLLERS
+from qklab.model import GPT
+from qklab.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from qklab.train.evaluate import eval_loss, max_attention_logits
+from qklab.train.metrics import MetricsLog
+from qklab.train.optim import build_optimizer, lr_mult, set_lr
+
+
+def git_sha() -> str:
+    root = Path(__file__).resolve().parents[3]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10)
+        if sha.returncode != 0:
+            return "unknown"
+        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def versions() -> dict[str, str]:
+    import safetensors
+    import tokenizers
+
+    import qklab
+    return {"qklab": qklab.__version__, "torch": torch.__version__, "numpy": np.__version__,
+            "tokenizers": tokenizers.__version__, "safetensors": safetensors.__version__,
+            "python": platform.python_version()}
+
+
+def pick_device(spec: str) -> torch.device:
+    if spec == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is available; use train.device=cpu or auto")
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+def run_name(cfg: RunConfig) -> str:
+    if cfg.train.name:
+        return cfg.train.name
+    qk = cfg.qk.method + ("" if cfg.qk.controller == "none" else f"+{cfg.qk.controller}")
+    return f"{cfg.preset or 'run'}-{qk}-s{cfg.train.seed}"
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    final_val_loss: float
+    max_logit: float
+    tokens_per_s: float
+    steps: int
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, resume: bool = False, overwrite: bool = False,
+                 data: PreparedData | None = None, log=print) -> None:
+        self.cfg, self.log = cfg, log
+        t = cfg.train
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        self.device = pick_device(t.device)
+        self.run_dir = Path(t.out_dir) / run_name(cfg)
+        self.ckpt_dir = self.run_dir / "ckpt"
+        if self.run_dir.exists() and not resume:
+            if not overwrite and latest_checkpoint(self.ckpt_dir) is not None:
+                raise ConfigError(f"run folder {self.run_dir} already has checkpoints; pass --resume to continue "
+                                  "it, --overwrite to start again, or set train.name")
+            if overwrite:
+                import shutil
+                shutil.rmtree(self.run_dir)
+        resume_from = latest_checkpoint(self.ckpt_dir) if resume else None
+        if resume and resume_from is None:
+            raise ConfigError(f"--resume: no checkpoint in {self.ckpt_dir}; start the run without --resume")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+
+        self.data = data or prepare_data(cfg.data, log=log)
+        if cfg.model.vocab_size == 0:
+            cfg.model.vocab_size = self.data.vocab_size
+        elif cfg.model.vocab_size < self.data.vocab_size:
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} < tokenizer vocab {self.data.vocab_size}; "
+                              "set it to 0 to take the tokenizer's")
+        _seed_everything(t.seed)
+        self.model = GPT(cfg.model, cfg.qk).to(self.device)
+        self.optimizers = build_optimizer(self.model, t)
+        self.controller = CONTROLLERS[cfg.qk.controller](self.model, self.optimizers, cfg.qk.opts(cfg.qk.controller))
+        self.loader = TokenLoader(self.data.train_tokens(), t.batch_size, t.seq_len, seed=t.seed)
+        self.val_batches = TokenLoader.eval_batches(self.data.val_tokens(), t.batch_size, t.seq_len, t.eval_batches)
+        self.fwd = torch.compile(self.model) if t.compile else self.model
+        self.step = 0
+        if resume_from is not None:
+            self._restore(resume_from)
+            log(f"resumed {self.run_dir} at step {self.step} from {resume_from.name}")
+        self._write_config()
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", truncate_after=self.step if resume else -1)
+
+    # ------------------------------------------------------------------------------------------------
+    def autocast(self):
+        if self.cfg.train.dtype == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _write_config(self) -> None:
+        info = {**self.cfg.to_dict(), "git_sha": git_sha(), "corpus": self.data.fingerprint,
+                "versions": versions(), "n_params": self.model.num_params(), "device": str(self.device)}
+        (self.run_dir / "config.json").write_text(json.dumps(info, indent=2) + "\n")
+
+    def _state(self) -> dict[str, Any]:
+        return {"optimizers": [o.state_dict() for o in self.optimizers],
+                "controller": self.controller.state_dict(),
+                "loader": self.loader.state_dict(),
+                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+                "config": self.cfg.to_dict()}
+
+    def _restore(self, path: Path) -> None:
+        state = load_checkpoint(path, self.model)
+        for opt, sd in zip(self.optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(sd)
+        self.controller.load_state_dict(state["controller"])
+        self.loader.load_state_dict(state["loader"])
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        self.step = state["step"]
+
+    def save(self) -> Path:
+        return save_checkpoint(self.ckpt_dir, self.step, self.model, self._state(), keep=self.cfg.train.keep_ckpts)
+
+    # ------------------------------------------------------------------------------------------------
+    def train_step(self) -> tuple[float, float]:
+        """One optimizer step (with accumulation); returns (mean loss, grad norm before clipping)."""
+        t = self.cfg.train
+        set_lr(self.optimizers, lr_mult(self.step, t))
+        total = 0.0
+        for _ in range(t.grad_accum):
+            x, y = self.loader.next_batch()
+            with self.autocast():
+                _, loss = self.fwd(x.to(self.device), y.to(self.device))
+            (loss / t.grad_accum).backward()
+            total += loss.item()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        gnorm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+        self.controller.before_step(self.step)
+        for opt in self.optimizers:
+            opt.step()
+        self.controller.after_step(self.step)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        self.step += 1
+        return total / t.grad_accum, gnorm.item()
+
+    def evaluate(self) -> dict[str, float]:
+        val = eval_loss(self.model, self.val_batches, self.device, self.autocast)
+        x = self.val_batches[0][0][:4].to(self.device)
+        with self.autocast():
+            ml = max_attention_logits(self.model, x)
+        return {"val_loss": val, "max_logit": ml.max().item(), "max_logit_per_layer": ml.amax(dim=1).tolist()}
+
+    def run(self) -> TrainResult:
+        t = self.cfg.train
+        tokens_per_step = t.batch_size * t.seq_len * t.grad_accum
+        bar = tqdm(total=t.steps, initial=self.step, desc=self.run_dir.name, disable=not t.progress,
+                   dynamic_ncols=True, leave=True)
+        last = {}
+        tps_hist: list[float] = []
+        try:
+            while self.step < t.steps:
+                t0 = time.perf_counter()
+                loss, gnorm = self.train_step()
+                dt = time.perf_counter() - t0
+                tps = tokens_per_step / dt
+                tps_hist.append(tps)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
+                rec: dict[str, Any] = {}
+                if self.step % t.log_every == 0 or self.step == t.steps:
+                    rec.update(loss=loss, grad_norm=gnorm, lr=self.optimizers[0].param_groups[0]["lr"],
+                               tokens_per_s=tps, tokens=self.step * tokens_per_step, **self.controller.metrics())
+                if self.step % t.eval_every == 0 or self.step == t.steps:
+                    last = self.evaluate()
+                    rec.update(last)
+                    bar.write(f"step {self.step}: val_loss {last['val_loss']:.4f}  max_logit {last['max_logit']:.2f}")
+                if rec:
+                    self.metrics.log(self.step, **rec)
+                if (t.ckpt_every and self.step % t.ckpt_every == 0) or self.step == t.steps:
+                    self.save()
+        finally:
+            bar.close()
+            self.metrics.close()
+        if not last:
+            last = self.evaluate()
+        steady = tps_hist[len(tps_hist) // 5 :] or tps_hist or [0.0]
+        return TrainResult(self.run_dir, last["val_loss"], last["max_logit"], float(np.median(steady)), self.step)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
