@@ -117,7 +117,7 @@ class RunConfig:
         _check(not (m.attn_impl == "sdpa" and METHODS[q.method].modifies_logits),
                f"qk.method='{q.method}' rewrites logits, which the fused sdpa path cannot do; "
                "set model.attn_impl=auto or eager")
-        for name, opts in q.options.items():
+        for opts in q.options.values():
             if hasattr(opts, "validate"):
                 try:
                     opts.validate()

@@ -55,11 +55,13 @@ def save_checkpoint(ckpt_dir: Path, step: int, model: nn.Module, state: dict[str
     for f in tmp.iterdir():
         _fsync_file(f)
     _fsync_dir(tmp)
-    if final.exists():  # re-saving the same step (e.g. after a resume): replace it
-        shutil.rmtree(final)
+    old = ckpt_dir / f".old-{PREFIX}{step:07d}-{os.getpid()}"
+    if final.exists():  # re-saving a step: move the old copy aside first (a folder cannot be replaced)
+        os.replace(final, old)
     os.replace(tmp, final)
     _fsync_dir(ckpt_dir)
     atomic_write_text(ckpt_dir / "latest", final.name + "\n")
+    shutil.rmtree(old, ignore_errors=True)
     _prune(ckpt_dir, keep)
     return final
 
@@ -68,14 +70,15 @@ def _prune(ckpt_dir: Path, keep: int) -> None:
     done = complete_checkpoints(ckpt_dir)
     for old in done[: max(0, len(done) - max(1, keep))]:
         shutil.rmtree(old, ignore_errors=True)
-    for junk in ckpt_dir.glob(f".tmp-{PREFIX}*"):  # left by a killed writer
+    for junk in [*ckpt_dir.glob(f".tmp-{PREFIX}*"), *ckpt_dir.glob(f".old-{PREFIX}*")]:  # left by a killed writer
         if not junk.name.endswith(f"-{os.getpid()}"):
             shutil.rmtree(junk, ignore_errors=True)
 
 
 def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
     """Complete checkpoint folders, oldest first."""
-    found = [p for p in ckpt_dir.glob(f"{PREFIX}*") if (p / "state.pt").is_file() and (p / "model.safetensors").is_file()]
+    found = [p for p in ckpt_dir.glob(f"{PREFIX}*")
+             if (p / "state.pt").is_file() and (p / "model.safetensors").is_file()]
     return sorted(found, key=lambda p: p.name)
 
 
@@ -92,5 +95,5 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
 
 def load_checkpoint(path: Path, model: nn.Module) -> dict[str, Any]:
     """Load weights into ``model`` (strict) and return the rest of the state."""
-    missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=True)
+    load_model(model, str(path / "model.safetensors"), strict=True)
     return torch.load(path / "state.pt", weights_only=False)

@@ -41,7 +41,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Opti
         [_group("muon", muon_params, cfg.lr, cfg.weight_decay)],
         lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, adjust_lr_fn="match_rms_adamw",
     )
-    adam_groups = [_group("adam_decay", adam_matrices, adam_lr, cfg.weight_decay), _group("no_decay", others, adam_lr, 0.0)]
+    adam_groups = [_group("adam_decay", adam_matrices, adam_lr, cfg.weight_decay),
+                   _group("no_decay", others, adam_lr, 0.0)]
     adam = torch.optim.AdamW([g for g in adam_groups if g["params"]], lr=adam_lr, betas=betas, eps=1e-8)
     return [muon, adam]
 

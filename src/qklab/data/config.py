@@ -1,0 +1,96 @@
+"""Configuration of the data pipeline and the error type it raises."""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+
+PYSTDLIB = "pystdlib"
+HF_PREFIX = "hf:"
+TOKENIZER_KINDS = ("bpe", "bytes")
+MIN_BPE_VOCAB = 260  # 256 byte symbols + the end-of-text token + a few merges
+MAX_BPE_VOCAB = 65535  # token ids are stored as uint16
+
+
+class DataError(ValueError):
+    """A problem with the data settings or the data itself, explained in one line."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from, how it is tokenized and where caches live.
+
+    source: "pystdlib" (the .py files of the running Python's standard library),
+        a local file, folder or glob of text files, or "hf:<path or hub name>".
+    tokenizer: "bpe" (byte-level BPE trained on the train split) or "bytes".
+    vocab_size: BPE only; the requested vocabulary size, 260..65535.
+    val_fraction: share of documents that go to validation, chosen by a hash
+        of each document's relative path so the split never changes.
+    max_files: 0 keeps every document; N > 0 keeps a deterministic subset of N.
+    text_field: column holding the text in Hugging Face datasets.
+    hf_split: split to load from Hugging Face datasets.
+    cache_dir: folder for the trained tokenizer and the token files.
+    """
+
+    source: str = PYSTDLIB
+    tokenizer: str = "bpe"
+    vocab_size: int = 4096
+    val_fraction: float = 0.05
+    max_files: int = 0
+    text_field: str = "text"
+    hf_split: str = "train"
+    cache_dir: str = ".cache/qklab"
+
+    def validate(self) -> None:
+        """Raise DataError naming the first invalid setting and how to fix it."""
+        if not isinstance(self.source, str) or not self.source.strip():
+            raise DataError("data.source: empty; give 'pystdlib', a file, folder or glob, or 'hf:<name>'")
+        if self.source.startswith(HF_PREFIX):
+            if not self.source[len(HF_PREFIX) :].strip():
+                raise DataError("data.source: 'hf:' needs a dataset after it, e.g. 'hf:data/train.jsonl'")
+        elif self.source != PYSTDLIB and not _local_source_exists(self.source):
+            raise DataError(
+                f"data.source: no such file, folder or glob {self.source!r}; "
+                "give an existing path or 'pystdlib'"
+            )
+        if self.tokenizer not in TOKENIZER_KINDS:
+            raise DataError(f"data.tokenizer: {self.tokenizer!r} is unknown; use 'bpe' or 'bytes'")
+        if self.tokenizer == "bpe" and not (
+            _is_int(self.vocab_size) and MIN_BPE_VOCAB <= self.vocab_size <= MAX_BPE_VOCAB
+        ):
+            raise DataError(
+                f"data.vocab_size: {self.vocab_size!r} is out of range; "
+                f"use an integer from {MIN_BPE_VOCAB} to {MAX_BPE_VOCAB} (tokens are stored as uint16)"
+            )
+        if (
+            not isinstance(self.val_fraction, (int, float))
+            or isinstance(self.val_fraction, bool)
+            or not (0.0 < self.val_fraction < 1.0)
+        ):
+            raise DataError(
+                f"data.val_fraction: {self.val_fraction!r} is out of range; "
+                "use a number between 0 and 1, e.g. 0.05"
+            )
+        if not _is_int(self.max_files) or self.max_files < 0:
+            raise DataError(
+                f"data.max_files: {self.max_files!r} is invalid; use 0 for all files or a positive integer"
+            )
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise DataError(
+                "data.text_field: empty; name the dataset column that holds the text, e.g. 'text'"
+            )
+        if not isinstance(self.hf_split, str) or not self.hf_split:
+            raise DataError("data.hf_split: empty; name the dataset split to load, e.g. 'train'")
+        if not isinstance(self.cache_dir, str) or not self.cache_dir:
+            raise DataError("data.cache_dir: empty; give a folder for cached tokenizers and tokens")
+
+
+def _local_source_exists(source: str) -> bool:
+    if glob.has_magic(source):
+        return any(os.path.isfile(p) for p in glob.iglob(source, recursive=True))
+    return os.path.exists(source)

@@ -1,0 +1,19 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qklab.config import ModelConfig, QKConfig
+from qklab.model import GPT
+
+
+@pytest.fixture(autouse=True)
+def _fp32_deterministic():
+    torch.manual_seed(0)
+    yield
+
+
+def tiny_gpt(method: str = "none", n_kv_heads: int = 0, impl: str = "auto", **kw) -> GPT:
+    cfg = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads,
+                      max_seq_len=64, attn_impl=impl, **kw)
+    return GPT(cfg, QKConfig(method=method)).eval()
