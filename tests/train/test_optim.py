@@ -1,0 +1,70 @@
+"""Optimizer grouping and the learning-rate schedules, against direct formulas."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from qklab.config import TrainConfig
+from qklab.train.optim import build_optimizer, lr_mult, set_lr
+from tests.conftest import tiny_gpt
+
+
+def test_warmup_then_cosine_to_min():
+    cfg = TrainConfig(steps=110, warmup_steps=10, min_lr_ratio=0.1, schedule="cosine")
+    assert [lr_mult(s, cfg) for s in range(3)] == pytest.approx([0.1, 0.2, 0.3])
+    assert lr_mult(9, cfg) == pytest.approx(1.0)
+    assert lr_mult(10, cfg) == pytest.approx(1.0)
+    mid = 10 + 99 / 2
+    assert lr_mult(int(mid), cfg) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (int(mid) - 10) / 99)))
+    assert lr_mult(109, cfg) == pytest.approx(0.1)
+
+
+def test_warmup_then_constant():
+    cfg = TrainConfig(steps=50, warmup_steps=4, schedule="constant")
+    assert [lr_mult(s, cfg) for s in (0, 3, 4, 49)] == pytest.approx([0.25, 1.0, 1.0, 1.0])
+
+
+def test_adamw_groups_cover_every_parameter_once():
+    model = tiny_gpt("qknorm")
+    (opt,) = build_optimizer(model, TrainConfig(optimizer="adamw", lr=1e-3, weight_decay=0.1))
+    seen = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert sorted(seen) == sorted(id(p) for p in model.parameters())
+    wd = {g["name"]: g["weight_decay"] for g in opt.param_groups}
+    assert wd == {"decay": 0.1, "no_decay": 0.0}
+    no_decay = next(g for g in opt.param_groups if g["name"] == "no_decay")
+    assert all(p.ndim == 1 for p in no_decay["params"])  # norms and QK-Norm gains
+
+
+def test_muon_takes_hidden_matrices_adamw_the_rest():
+    model = tiny_gpt("qknorm")
+    muon, adam = build_optimizer(model, TrainConfig(optimizer="muon", lr=0.02, adam_lr=3e-3))
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adam, torch.optim.AdamW)
+    muon_names = set(muon.param_groups[0]["param_names"])
+    assert "blocks.0.attn.wq.weight" in muon_names and "blocks.1.mlp.w2.weight" in muon_names
+    assert all(n.startswith("blocks.") for n in muon_names)
+    adam_names = {n for g in adam.param_groups for n in g["param_names"]}
+    assert "tok_emb.weight" in adam_names and "blocks.0.attn.qk.q_norm.weight" in adam_names
+    assert muon_names.isdisjoint(adam_names)
+    assert len(muon_names) + len(adam_names) == len(list(model.parameters()))
+    set_lr([muon, adam], 0.5)
+    assert muon.param_groups[0]["lr"] == pytest.approx(0.01)
+    assert [g["lr"] for g in adam.param_groups] == pytest.approx([1.5e-3] * len(adam.param_groups))
+
+
+def test_adamw_update_matches_direct_formula():
+    """One step of our AdamW on a parameter equals the textbook update."""
+    model = tiny_gpt()
+    (opt,) = build_optimizer(model, TrainConfig(optimizer="adamw", lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95))
+    w = model.blocks[0].attn.wq.weight
+    w0 = w.detach().clone()
+    g = torch.randn_like(w)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    w.grad = g.clone()
+    opt.step()
+    m, v = 0.1 * g, 0.05 * g * g
+    want = w0 * (1 - 1e-2 * 0.1) - 1e-2 * (m / 0.1) / ((v / 0.05).sqrt() + 1e-8)
+    torch.testing.assert_close(w.detach(), want, atol=1e-6, rtol=1e-5)
