@@ -29,6 +29,16 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sweep(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from qklab.sweep import parse_variant, run_sweep
+
+    seeds = [int(s) for s in args.seeds.split(",")]
+    run_sweep(args.config, [parse_variant(v) for v in args.variant], seeds, Path(args.out), args.set)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qklab", description="Train and compare QK methods for attention.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -46,6 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--methods", default="none,qknorm,softcap", help="comma-separated qk.method values")
     d.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE")
     d.set_defaults(fn=_demo)
+
+    w = sub.add_parser("sweep", help="train variants x seeds at equal tokens; write a mean +- std table")
+    w.add_argument("--config", "-c", default="small")
+    w.add_argument("--variant", "-v", action="append", required=True, metavar="LABEL:K=V,K=V")
+    w.add_argument("--seeds", default="0,1,2")
+    w.add_argument("--out", required=True, help="folder for the runs and summary.{json,md}")
+    w.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE", help="applied to every run")
+    w.set_defaults(fn=_sweep)
     return p
 
 

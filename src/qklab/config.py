@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from qklab.data import DataConfig, DataError
-from qklab.methods import CONTROLLERS, METHODS
+from qklab.methods import CONTROLLERS, METHODS, AttnShape
 
 
 class ConfigError(ValueError):
@@ -123,6 +123,10 @@ class RunConfig:
                     opts.validate()
                 except ValueError as e:
                     raise ConfigError(str(e)) from None
+        try:  # the method checks its options against the attention shape (e.g. compute-matched widths)
+            METHODS[q.method](AttnShape(m.d_model, m.n_heads, m.kv_heads, m.head_dim, 0, m.n_layers), q.opts(q.method))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         _check(t.optimizer in ("adamw", "muon"), f"train.optimizer='{t.optimizer}': use adamw or muon")
         _check(t.schedule in ("cosine", "constant"), f"train.schedule='{t.schedule}': use cosine or constant")
         _check(t.dtype in ("fp32", "bf16"), f"train.dtype='{t.dtype}': use fp32 or bf16")

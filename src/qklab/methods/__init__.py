@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from qklab.methods.base import AttnShape, QKController, QKMethod
+from qklab.methods.qkmap import QKMap
 from qklab.methods.qknorm import QKNorm
 from qklab.methods.softcap import SoftCap
 from qklab.methods.standard import Standard
@@ -12,6 +13,7 @@ METHODS: dict[str, type[QKMethod]] = {
     "none": Standard,
     "qknorm": QKNorm,
     "softcap": SoftCap,
+    "qkmap": QKMap,
 }
 
 # optimizer-side: name -> QKController subclass

@@ -61,6 +61,18 @@ class QKMethod(nn.Module):
         """Per-head output width of W_Q and W_K."""
         return self.shape.head_dim
 
+    def qk_in_dim(self) -> int:
+        """Input width of W_Q and W_K (the width of ``map_input``'s output)."""
+        return self.shape.d_model
+
+    def map_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Map the (normalised) attention input x (B, T, C) before the Q/K projections; V sees raw x."""
+        return x
+
+    def qk_init_std(self, default: float) -> float:
+        """Std of the normal init of W_Q and W_K (GPT.init_weights asks the method)."""
+        return default
+
     def feature_dim(self) -> int:
         """Per-head width of q and k after the map (what enters the dot product and the KV cache)."""
         return self.proj_dim()

@@ -49,8 +49,8 @@ class Attention(nn.Module):
         shape = AttnShape(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, layer_idx, cfg.n_layers)
         self.qk: QKMethod = METHODS[qk_cfg.method](shape, qk_cfg.opts(qk_cfg.method))
         dqk = self.qk.proj_dim()
-        self.wq = nn.Linear(cfg.d_model, self.n_heads * dqk, bias=False)
-        self.wk = nn.Linear(cfg.d_model, self.n_kv_heads * dqk, bias=False)
+        self.wq = nn.Linear(self.qk.qk_in_dim(), self.n_heads * dqk, bias=False)
+        self.wk = nn.Linear(self.qk.qk_in_dim(), self.n_kv_heads * dqk, bias=False)
         self.wv = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=False)
         self.impl = cfg.attn_impl
@@ -63,8 +63,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape  # x: (B, T, C)
         pos = cache.length if cache is not None else 0
-        q = self.wq(x).view(B, T, self.n_heads, -1).transpose(1, 2)  # (B, H, T, d')
-        k = self.wk(x).view(B, T, self.n_kv_heads, -1).transpose(1, 2)  # (B, Hkv, T, d')
+        xqk = self.qk.map_input(x)  # (B, T, C') -- x itself for most methods
+        q = self.wq(xqk).view(B, T, self.n_heads, -1).transpose(1, 2)  # (B, H, T, d')
+        k = self.wk(xqk).view(B, T, self.n_kv_heads, -1).transpose(1, 2)  # (B, Hkv, T, d')
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         q, k = self.qk.map_qk(q, k, rope, pos)  # (B, H, T, F), (B, Hkv, T, F)
         if cache is not None:

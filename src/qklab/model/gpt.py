@@ -57,7 +57,8 @@ class GPT(nn.Module):
         """Every weight initialisation of the model, in one place.
 
         * token embedding (and the tied head): N(0, init_std)
-        * Q, K, V projections, MLP gate/up, untied head: N(0, init_std)
+        * Q, K projections: N(0, qk.qk_init_std(init_std)) -- init_std unless the QK method asks otherwise
+        * V projection, MLP gate/up, untied head: N(0, init_std)
         * output projections (attention wo, MLP w2): N(0, init_std / sqrt(2 * n_layers)), so that the
           residual stream's variance does not grow with depth (GPT-2)
         * RMSNorm gains: 1
@@ -70,7 +71,9 @@ class GPT(nn.Module):
             nn.init.normal_(self.lm_head.weight, 0.0, std)
         for block in self.blocks:
             a, m = block.attn, block.mlp
-            for w in (a.wq.weight, a.wk.weight, a.wv.weight, m.w1.weight, m.w3.weight):
+            for w in (a.wq.weight, a.wk.weight):  # a QK method may ask for its own scale
+                nn.init.normal_(w, 0.0, a.qk.qk_init_std(std))
+            for w in (a.wv.weight, m.w1.weight, m.w3.weight):
                 nn.init.normal_(w, 0.0, std)
             for w in (a.wo.weight, m.w2.weight):
                 nn.init.normal_(w, 0.0, out_std)

@@ -1,0 +1,168 @@
+"""QK-MAP: a magnitude-aware periodic projection for queries and keys (reconstructed; docs/qk-map.md).
+
+Variant "post" (default), per head, on z = W x in R^{d'} (the query or key before the map):
+
+    phi(z) = [cos(w_m z_i) ..., sin(w_m z_i) ...]     i = 1..d', m = 1..M      (width F = 2 M d')
+
+laid out as [all cosines | all sines], so that with the "rotate half" RoPE each (cos, sin) of one
+(i, m) is one rotary pair. Every pair has length 1, so ||phi(z)|| = sqrt(M d') for every z (fixed
+norm), and the logit of a query head h with per-head temperature T_h is
+
+    s = T_h / (M d') * phi(q) . phi(k) = T_h * mean_{i,m} cos(w_m (q_i - k_i))    (RoPE after the map
+                                                                                 adds the position phase)
+
+so |s| <= |T_h| (bounded), and s depends on q - k, so scaling the input changes the pattern
+(magnitude-sensitive). T_h / (M d') is folded into phi(q); the softmax scale is 1.
+
+Variants: "input" maps the normalised attention input x instead (then linear Q/K projections and
+standard 1/sqrt(d) scaling); "polar" maps direction and magnitude separately,
+phi(z) = (z / ||z||) (x) [cos(w_m g(||z||)), sin(w_m g(||z||))] with g = identity or log.
+
+Frequencies w > 0 are stored as log w: one set per layer, per KV head, or per KV head and coordinate
+(``sharing``); a query head uses the frequencies of its KV head so that q and k share one spectrum.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from qklab.methods.base import AttnShape, QKMethod
+
+VARIANTS = ("post", "input", "polar")
+SHARING = ("layer", "head", "coord")
+
+
+@dataclass
+class QKMapOptions:
+    variant: str = "post"  # post | input | polar
+    n_freqs: int = 1  # M, frequencies per coordinate
+    proj_dim: int = 0  # d' per head (post/polar); 0: compute-matched, 2 M d' = d_head
+    freq_min: float = 0.5  # frequencies start on a log grid from freq_min ...
+    freq_max: float = 0.0  # ... to freq_max; 0: freq_min * 2^(M-1)
+    sharing: str = "head"  # layer | head | coord
+    learn_freqs: bool = True
+    temperature: float = 0.0  # initial logit bound T_h ("post"/"polar"); 0: sqrt(d_head), QK-Norm's range
+    learn_temperature: bool = True
+    rope: str = "after"  # after (on (cos, sin) pairs) | before (RoPE on z, then the map: ablation)
+    polar_g: str = "log"  # polar only: identity | log of the norm
+    qk_init_std: float = 0.0  # std of W_Q/W_K at init; 0: 1/sqrt(fan_in), so that w * std(z) ~ w
+
+    def validate(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"qk.qkmap.variant='{self.variant}': use one of {', '.join(VARIANTS)}")
+        if self.sharing not in SHARING:
+            raise ValueError(f"qk.qkmap.sharing='{self.sharing}': use one of {', '.join(SHARING)}")
+        if self.rope not in ("after", "before"):
+            raise ValueError(f"qk.qkmap.rope='{self.rope}': use after or before")
+        if self.polar_g not in ("identity", "log"):
+            raise ValueError(f"qk.qkmap.polar_g='{self.polar_g}': use identity or log")
+        if self.n_freqs < 1 or self.proj_dim < 0 or self.freq_min <= 0 or self.freq_max < 0:
+            raise ValueError("qk.qkmap: n_freqs must be >= 1, proj_dim >= 0, freq_min > 0, freq_max >= 0")
+        if self.variant == "input" and self.sharing == "coord":
+            raise ValueError("qk.qkmap.sharing=coord needs variant post or polar (input has no heads yet)")
+
+
+def periodic(z: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """z (..., d), w broadcastable to (..., d, M) -> [cos(w z) | sin(w z)] (..., 2 M d), in fp32."""
+    ph = (z.float().unsqueeze(-1) * w).flatten(-2)  # (..., d * M)
+    return torch.cat([ph.cos(), ph.sin()], dim=-1)
+
+
+class QKMap(QKMethod):
+    name = "qkmap"
+    Options = QKMapOptions
+    latent_cache_ok = False  # a nonlinear map of k: an MLA latent cache cannot hold it
+
+    def __init__(self, shape: AttnShape, opts: QKMapOptions) -> None:
+        super().__init__(shape, opts)
+        M, hd = opts.n_freqs, shape.head_dim
+        if opts.variant == "input":
+            self.d = shape.d_model  # the map acts on x
+        else:
+            self.d = opts.proj_dim or hd // (2 * M)
+            if self.d < 1 or (opts.proj_dim == 0 and 2 * M * self.d != hd):
+                raise ValueError(f"qk.qkmap: compute-matched needs head_dim={hd} divisible by 2*n_freqs={2 * M}; "
+                                 "set qk.qkmap.proj_dim or n_freqs")
+        if opts.rope == "before" and self.d % 2:
+            raise ValueError(f"qk.qkmap.rope=before needs an even proj_dim, got {self.d}")
+        groups = {"layer": 1, "head": shape.n_kv_heads, "coord": shape.n_kv_heads}[opts.sharing]
+        coords = self.d if opts.sharing == "coord" else 1
+        self.log_freq = nn.Parameter(torch.zeros(groups, coords, M), requires_grad=opts.learn_freqs)  # (G, d|1, M)
+        self.temp = nn.Parameter(torch.zeros(shape.n_heads), requires_grad=opts.learn_temperature)  # (H,)
+        self.reset_parameters()
+
+    # --- shapes -----------------------------------------------------------------------------------
+    def proj_dim(self) -> int:
+        return self.shape.head_dim if self.opts.variant == "input" else self.d
+
+    def feature_dim(self) -> int:
+        if self.opts.variant == "input":
+            return self.shape.head_dim
+        return 2 * self.opts.n_freqs * self.d
+
+    def qk_in_dim(self) -> int:
+        return 2 * self.opts.n_freqs * self.shape.d_model if self.opts.variant == "input" else self.shape.d_model
+
+    def qk_init_std(self, default: float) -> float:
+        return self.opts.qk_init_std or 1.0 / math.sqrt(self.qk_in_dim())
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        o = self.opts
+        fmax = o.freq_max or o.freq_min * 2.0 ** (o.n_freqs - 1)
+        n = self.log_freq[0].numel()  # frequencies of one group, spread on a log grid
+        lo, hi = math.log(o.freq_min), math.log(fmax)
+        grid = torch.linspace(lo, hi, n) if n > 1 else torch.tensor([lo])
+        # (d|1, M): for coord sharing, coordinate i gets the i-th block of M grid points
+        self.log_freq.copy_(grid.view(self.log_freq.shape[1:]).expand_as(self.log_freq))
+        self.temp.fill_(o.temperature or math.sqrt(self.shape.head_dim))
+
+    def freqs(self) -> torch.Tensor:
+        return self.log_freq.exp()  # (G, d|1, M)
+
+    # --- the map ----------------------------------------------------------------------------------
+    def map_input(self, x: torch.Tensor) -> torch.Tensor:
+        if self.opts.variant != "input":
+            return x
+        w = self.freqs()[0]  # (1, M): shared by all heads
+        feats = periodic(x, w) / math.sqrt(self.opts.n_freqs * self.d)  # (B, T, 2 M C), norm 1
+        return feats.to(x.dtype)
+
+    def _phi(self, z: torch.Tensor) -> torch.Tensor:
+        """z (B, Hz, T, d) for Hz query or KV heads -> features (B, Hz, T, F), unit pairs."""
+        w = self.freqs()  # (G, d|1, M)
+        G, Hz = w.shape[0], z.shape[1]
+        w = w.repeat_interleave(Hz // G, dim=0) if G > 1 else w  # (Hz|1, d|1, M); q heads follow their KV head
+        w = w.unsqueeze(1)  # (Hz|1, 1, d|1, M) against z (B, Hz, T, d, 1)
+        if self.opts.variant == "post":
+            return periodic(z, w)
+        # polar: direction (x) phase of the magnitude
+        zf = z.float()
+        r = zf.norm(dim=-1, keepdim=True)  # (B, Hz, T, 1)
+        u = zf / r.clamp_min(1e-12)  # direction, (B, Hz, T, d)
+        u = torch.where(r > 0, u, torch.full_like(u, 1.0 / math.sqrt(z.shape[-1])))  # z = 0: a fixed direction
+        g = torch.log(r.clamp_min(1e-12)) if self.opts.polar_g == "log" else r
+        ph = (g.unsqueeze(-1) * w).squeeze(-2)  # (B, Hz, T, M)
+        c, s = ph.cos().unsqueeze(-2), ph.sin().unsqueeze(-2)  # (B, Hz, T, 1, M)
+        return torch.cat([(u.unsqueeze(-1) * c).flatten(-2), (u.unsqueeze(-1) * s).flatten(-2)], dim=-1)
+
+    def map_qk(self, q, k, rope, pos):
+        # q: (B, H, T, d'), k: (B, Hkv, T, d')
+        if self.opts.variant == "input":
+            return rope(q, pos), rope(k, pos)
+        if self.opts.rope == "before":
+            q, k = rope(q, pos), rope(k, pos)
+        # ||phi||^2: M d' unit pairs (post), or a unit direction times M unit pairs (polar)
+        norm2 = self.feature_dim() // 2 if self.opts.variant == "post" else self.opts.n_freqs
+        fq = self._phi(q) * (self.temp.view(1, -1, 1, 1) / norm2)  # (B, H, T, F): |logit| <= |T_h|
+        fk = self._phi(k)  # (B, Hkv, T, F)
+        if self.opts.rope == "after":
+            fq, fk = rope(fq, pos), rope(fk, pos)
+        return fq.to(q.dtype), fk.to(k.dtype)
+
+    def scale(self, feature_dim: int) -> float:
+        return 1.0 / math.sqrt(feature_dim) if self.opts.variant == "input" else 1.0

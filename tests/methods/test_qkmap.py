@@ -1,0 +1,194 @@
+"""QK-MAP properties, each against a direct formula (see docs/qk-map.md)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from qklab.config import ConfigError, ModelConfig, QKConfig, load_config
+from qklab.methods import AttnShape
+from qklab.methods.qkmap import QKMap, QKMapOptions
+from qklab.methods.qknorm import QKNorm, QKNormOptions
+from qklab.model import GPT, Rope
+
+SHAPE = AttnShape(d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, layer_idx=0, n_layers=2)
+VARIANTS = {
+    "post-M1": QKMapOptions(),
+    "post-M2": QKMapOptions(n_freqs=2),
+    "expanded": QKMapOptions(n_freqs=2, proj_dim=8),
+    "coord": QKMapOptions(sharing="coord", freq_min=0.25, freq_max=2.0),
+    "layer": QKMapOptions(sharing="layer", n_freqs=2),
+    "frozen": QKMapOptions(learn_freqs=False, learn_temperature=False),
+    "rope-before": QKMapOptions(rope="before"),
+    "polar": QKMapOptions(variant="polar", n_freqs=2),
+    "polar-id": QKMapOptions(variant="polar", polar_g="identity"),
+    "input": QKMapOptions(variant="input"),
+}
+SPECIAL = [torch.zeros(3, 8), torch.full((3, 8), 1e6), torch.full((3, 8), -7.5), torch.randn(3, 8) * 1e4]
+
+
+def _gpt(opts: QKMapOptions, n_kv: int = 2, impl: str = "auto") -> GPT:
+    cfg = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=n_kv, max_seq_len=64, attn_impl=impl)
+    return GPT(cfg, QKConfig(method="qkmap", options={"qkmap": opts})).eval()
+
+
+@pytest.mark.parametrize("opts", [VARIANTS["post-M2"], VARIANTS["coord"], VARIANTS["polar"]], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_feature_norm_is_fixed_for_any_input(opts, dtype):
+    m = QKMap(SHAPE, opts)
+    d = m.proj_dim()
+    want = math.sqrt(opts.n_freqs * d) if opts.variant == "post" else math.sqrt(opts.n_freqs)
+    for z in [torch.zeros(2, 2, 5, d), torch.full((2, 2, 5, d), 1e6), -torch.rand(2, 2, 5, d) * 1e3,
+              torch.randn(2, 2, 5, d)]:
+        f = m._phi(z.to(dtype)).to(dtype).float()  # features as stored in the model dtype
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(f.norm(dim=-1), torch.full(f.shape[:-1], want), atol=tol * want, rtol=0)
+
+
+def test_input_variant_features_have_unit_norm():
+    m = QKMap(SHAPE, VARIANTS["input"])
+    for x in [torch.zeros(2, 5, 64), torch.full((2, 5, 64), 1e6), torch.randn(2, 5, 64)]:
+        torch.testing.assert_close(m.map_input(x).norm(dim=-1), torch.ones(2, 5))
+
+
+@pytest.mark.parametrize("name", ["post-M1", "post-M2", "expanded", "coord", "polar", "rope-before"])
+def test_logits_within_temperature_bound(name):
+    model = _gpt(VARIANTS[name])
+    with torch.no_grad():
+        for b in model.blocks:  # push weights and temperatures far from init
+            b.attn.wq.weight.mul_(300.0)
+            b.attn.wk.weight.normal_(0, 50.0)
+            b.attn.qk.temp.copy_(torch.tensor([3.0, -2.0, 7.0, 0.5]))
+        attn = model.blocks[0].attn
+        attn.capture = {}
+        model(torch.randint(0, 97, (2, 30)))
+        s = attn.capture["logits"]  # (B, H, T, T)
+    bound = torch.tensor([3.0, 2.0, 7.0, 0.5]).view(1, 4, 1, 1)
+    assert (s.abs() <= bound * (1 + 1e-5)).all()
+    assert (s.abs().amax(dim=(0, 2, 3)) > 0.3 * bound.flatten()).all()  # and the bound is not vacuous
+
+
+def test_post_logit_equals_direct_formula():
+    """At position 0 (RoPE = identity) s = T_h * mean_{i,m} cos(w_m (q_i - k_i))."""
+    m = QKMap(SHAPE, QKMapOptions(n_freqs=2, proj_dim=6, freq_min=0.3, freq_max=1.7))
+    with torch.no_grad():
+        m.temp.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        m.log_freq.copy_(torch.log(torch.tensor([[[0.3, 1.7]], [[0.9, 2.5]]])))  # (G=2, 1, M=2)
+    q, k = torch.randn(1, 4, 1, 6) * 3, torch.randn(1, 2, 1, 6) * 3
+    fq, fk = m.map_qk(q, k, Rope(8, 10000.0), 0)
+    got = (fq * fk.repeat_interleave(2, dim=1)).sum(-1).flatten()  # scale is 1
+    w = torch.tensor([[0.3, 1.7], [0.3, 1.7], [0.9, 2.5], [0.9, 2.5]])  # q head h uses KV head h // 2
+    kk = k.repeat_interleave(2, dim=1)[0, :, 0]  # (4, 6)
+    diff = q[0, :, 0] - kk  # (4, 6)
+    want = torch.tensor([1.0, 2, 3, 4]) * torch.cos(diff.unsqueeze(-1) * w.unsqueeze(1)).mean(dim=(1, 2))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_magnitude_sensitivity_vs_qknorm():
+    """cos(phi(z), phi(2z)) is clearly below 1 at init for typical z; QK-Norm's is exactly 1."""
+    torch.manual_seed(0)
+    m, n = QKMap(SHAPE, QKMapOptions()), QKNorm(SHAPE, QKNormOptions())
+    d = m.proj_dim()
+    x = torch.randn(256, 64)  # normalised hidden states
+    z = (x @ torch.randn(64, d) * m.qk_init_std(0.02)).view(1, 2, 128, d)  # typical projections at init (2 KV heads)
+    f1, f2 = m._phi(z), m._phi(2 * z)
+    cos_map = torch.cosine_similarity(f1, f2, dim=-1).mean().item()
+    zn = torch.randn(1, 1, 256, 16)
+    cos_norm = torch.cosine_similarity(n.q_norm(zn), n.q_norm(2 * zn), dim=-1).mean().item()
+    assert cos_norm == pytest.approx(1.0, abs=1e-6)
+    assert cos_map < 0.9
+    # and it keeps falling as the scale moves away from 1
+    cos4 = torch.cosine_similarity(f1, m._phi(4 * z), dim=-1).mean().item()
+    assert cos4 < cos_map
+
+
+@pytest.mark.parametrize("rope", ["after", "before"])
+def test_rope_after_map_gives_relative_logits(rope):
+    """Shifting all positions by p leaves every logit unchanged (RoPE after the map); RoPE before the map
+    is also relative for the post variant but mixes position into the content phase differently."""
+    m = QKMap(SHAPE, QKMapOptions(rope=rope))
+    r = Rope(64, 10000.0)
+    q, k = torch.randn(1, 4, 6, m.proj_dim()), torch.randn(1, 2, 6, m.proj_dim())
+    logits = []
+    for p in (0, 9, 31):
+        fq, fk = m.map_qk(q, k, r, p)
+        logits.append(fq @ fk.repeat_interleave(2, dim=1).transpose(-1, -2))
+    if rope == "after":
+        torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits[2], logits[0], atol=1e-5, rtol=1e-5)
+    else:
+        assert not torch.allclose(logits[1], logits[0], atol=1e-3)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_gradients_finite_for_extreme_inputs(name):
+    model = _gpt(VARIANTS[name])
+    model.train()
+    x = torch.randint(0, 97, (2, 12))
+    for scale in (0.0, 1e6, -1e6):
+        with torch.no_grad():
+            model.tok_emb.weight.normal_().mul_(scale) if scale else model.tok_emb.weight.zero_()
+        _, loss = model(x, x)
+        loss.backward()
+        assert torch.isfinite(loss)
+        for n, p in model.named_parameters():
+            assert p.grad is None or torch.isfinite(p.grad).all(), (name, scale, n)
+        model.zero_grad()
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_variants_cached_decoding_and_fast_path(name):
+    model = _gpt(VARIANTS[name])
+    x = torch.randint(0, 97, (2, 20))
+    with torch.no_grad():
+        full, _ = model(x)
+        caches = model.make_caches(2, 20)
+        parts = [model(x[:, :6], caches=caches)[0]] + [model(x[:, t : t + 1], caches=caches)[0] for t in range(6, 20)]
+        for b in model.blocks:
+            b.attn.impl = "eager"
+        eager, _ = model(x)
+    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(eager, full, atol=1e-5, rtol=1e-5)
+
+
+def test_compute_matched_keeps_cache_width_expanded_grows_it():
+    assert _gpt(VARIANTS["post-M2"]).make_caches(1, 4)[0].k.shape[-1] == 16  # 2 M d' = d_head
+    assert _gpt(VARIANTS["expanded"]).make_caches(1, 4)[0].k.shape[-1] == 32  # 2 * 2 * 8
+
+
+def test_bf16_autocast_and_compile_match_fp32():
+    model = _gpt(VARIANTS["post-M2"])
+    x = torch.randint(0, 97, (2, 16))
+    with torch.no_grad():
+        ref, _ = model(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low, _ = model(x)
+        compiled, _ = torch.compile(model, backend="aot_eager")(x)
+    assert low.dtype == torch.bfloat16 and torch.isfinite(low).all()
+    assert (low.float() - ref).abs().max() < 0.1
+    torch.testing.assert_close(compiled, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_frozen_and_learnable_parameters():
+    frozen = QKMap(SHAPE, VARIANTS["frozen"])
+    assert not frozen.log_freq.requires_grad and not frozen.temp.requires_grad
+    m = QKMap(SHAPE, VARIANTS["coord"])
+    assert m.log_freq.shape == (2, 8, 1)
+    w = m.freqs()[0, :, 0]
+    torch.testing.assert_close(w, torch.logspace(math.log10(0.25), math.log10(2.0), 8))  # log-spaced over coords
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("qk.qkmap.n_freqs=3", "divisible by 2*n_freqs=6"),
+    ("qk.qkmap.variant=foo", "variant='foo'"),
+    ("qk.qkmap.sharing=coord", None),
+])
+def test_config_errors(override, needle):
+    sets = ["qk.method=qkmap", override]
+    if needle is None:
+        assert load_config("tiny", sets).qk.opts("qkmap").sharing == "coord"
+        return
+    with pytest.raises(ConfigError, match=needle.replace("*", r"\*")):
+        load_config("tiny", sets)

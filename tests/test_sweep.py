@@ -1,0 +1,37 @@
+"""The sweep runner: every variant x seed trains, the table's mean/std match the runs, reruns are skipped."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from qklab.config import ConfigError
+from qklab.sweep import diverged, parse_variant, run_sweep
+
+
+def test_sweep_table_and_resume(tmp_path, capsys):
+    variants = [parse_variant("std:qk.method=none"), parse_variant("cap:qk.method=softcap,qk.softcap.cap=5")]
+    common = ["train.steps=6", "train.eval_every=3", "train.ckpt_every=0", f"data.cache_dir='{tmp_path}/c'"]
+    s = run_sweep("tiny", variants, [0, 1], tmp_path / "sw", common)
+    runs = s["runs"]["cap"]
+    row = next(r for r in s["table"] if r["variant"] == "cap")
+    assert row["val_loss"] == pytest.approx(statistics.fmean(r["val_loss"] for r in runs))
+    assert row["val_loss_std"] == pytest.approx(statistics.stdev(r["val_loss"] for r in runs))
+    assert all(r["max_logit"] <= 5.0 for r in runs)  # the cap bounds the logits
+    assert runs[0]["val_loss"] != runs[1]["val_loss"]  # seeds differ
+    assert (tmp_path / "sw" / "summary.md").read_text().count("\n") == 4
+    capsys.readouterr()
+    run_sweep("tiny", variants, [0, 1], tmp_path / "sw", common)  # second time: nothing retrained
+    assert "== " not in capsys.readouterr().out
+
+
+def test_diverged_rule():
+    assert diverged([{"loss": 5.0}, {"loss": "nan"}])
+    assert diverged([{"loss": 5.0}, {"loss": 6.0}])
+    assert not diverged([{"loss": 5.0}, {"loss": 3.0}])
+
+
+def test_bad_variant():
+    with pytest.raises(ConfigError, match="label:key=value"):
+        parse_variant("no-colon")
