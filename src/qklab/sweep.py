@@ -55,7 +55,7 @@ def run_sweep(preset: str, variants: list[Variant], seeds: list[int], out: Path,
     cfgs = {(v.label, s): load_config(preset, [*common, *v.overrides, f"train.seed={s}",
                                                f"train.out_dir='{out}'", f"train.name={v.label}-s{s}",
                                                "train.progress=false"])
-            for v in variants for s in seeds}  # validate every config before training anything
+            for s in seeds for v in variants}  # validate all first; seed-major so a partial sweep is balanced
     data = prepare_data(next(iter(cfgs.values())).data)
     results: dict[str, list[dict]] = {v.label: [] for v in variants}
     for (label, seed), cfg in cfgs.items():

@@ -31,19 +31,20 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_resume_is_bitwise_exact(tmp_path, optimizer):
-    opt = f"train.optimizer={optimizer}"
-    full = Trainer(_cfg(tmp_path, "full", opt), log=lambda s: None)
+@pytest.mark.parametrize("optimizer, controller", [("adamw", "none"), ("muon", "none"), ("muon", "quack"),
+                                                   ("adamw", "qkclip")])
+def test_resume_is_bitwise_exact(tmp_path, optimizer, controller):
+    opt = [f"train.optimizer={optimizer}", f"qk.controller={controller}", "qk.qkclip.tau_clip=2.0"]
+    full = Trainer(_cfg(tmp_path, "full", *opt), log=lambda s: None)
     full.run()
 
-    part = Trainer(_cfg(tmp_path, "part", opt), log=lambda s: None)
+    part = Trainer(_cfg(tmp_path, "part", *opt), log=lambda s: None)
     for _ in range(10):
         part.train_step()
     part.save()
     part.metrics.close()
     del part  # "crash" after the step-10 checkpoint
-    resumed = Trainer(_cfg(tmp_path, "part", opt), resume=True, log=lambda s: None)
+    resumed = Trainer(_cfg(tmp_path, "part", *opt), resume=True, log=lambda s: None)
     assert resumed.step == 10
     resumed.run()
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from qklab.methods.base import AttnShape, QKController, QKMethod
+from qklab.methods.qk_lr_multiplier import QKLRMultiplier
+from qklab.methods.qkclip import QKClip
 from qklab.methods.qkmap import QKMap
 from qklab.methods.qknorm import QKNorm
+from qklab.methods.quack import QuacK
 from qklab.methods.softcap import SoftCap
 from qklab.methods.standard import Standard
 
@@ -19,6 +22,9 @@ METHODS: dict[str, type[QKMethod]] = {
 # optimizer-side: name -> QKController subclass
 CONTROLLERS: dict[str, type[QKController]] = {
     "none": QKController,
+    "quack": QuacK,
+    "qkclip": QKClip,
+    "qk_lr_multiplier": QKLRMultiplier,
 }
 
 __all__ = ["METHODS", "CONTROLLERS", "AttnShape", "QKMethod", "QKController"]

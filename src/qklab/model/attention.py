@@ -42,6 +42,23 @@ def causal_mask(Tq: int, Tk: int, device: torch.device) -> torch.Tensor:
     return torch.ones(Tq, Tk, dtype=torch.bool, device=device).tril(diagonal=offset)
 
 
+@torch.no_grad()
+def head_max_logit(q: torch.Tensor, k: torch.Tensor, scale: float, logits_fn=None, chunk: int = 128) -> torch.Tensor:
+    """Per-head max over batch, queries and allowed keys of the pre-softmax logit, (H,), computed in
+    query chunks so that at most (B, H, chunk, Tk) logits exist at a time. q (B, H, Tq, F), k (B, Hkv, Tk, F)."""
+    H, Tq, Tk = q.shape[1], q.shape[2], k.shape[2]
+    if k.shape[1] != H:
+        k = k.repeat_interleave(H // k.shape[1], dim=1)  # (B, H, Tk, F)
+    best = torch.full((H,), float("-inf"), device=q.device)
+    for i in range(0, Tq, chunk):
+        s = (q[:, :, i : i + chunk] @ k.transpose(-2, -1)) * scale  # (B, H, c, Tk)
+        if logits_fn is not None:
+            s = logits_fn(s)
+        mask = causal_mask(Tq, Tk, q.device)[i : i + chunk]  # (c, Tk)
+        best = torch.maximum(best, s.float().masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3)))
+    return best
+
+
 class Attention(nn.Module):
     def __init__(self, cfg, qk_cfg, layer_idx: int) -> None:
         super().__init__()
@@ -55,6 +72,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=False)
         self.impl = cfg.attn_impl
         self.capture: dict[str, torch.Tensor] | None = None
+        # per-head running max of the pre-softmax logit, kept while track_max_logit is on (QK-clip)
+        self.track_max_logit = False
+        self.max_logit = torch.full((self.n_heads,), float("-inf"))
 
     @property
     def use_eager(self) -> bool:
@@ -71,12 +91,22 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.append(k, v)  # (B, Hkv, L, F), (B, Hkv, L, D)
         scale = self.qk.scale(q.shape[-1])
+        if self.track_max_logit and not self.use_eager:
+            self._track(head_max_logit(q, k, scale, self.qk.logits))
         if self.use_eager:
             y = self.eager(q, k, v, scale)
         else:
             y = self.sdpa(q, k, v, scale)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
         return self.wo(y)
+
+    def _track(self, m: torch.Tensor) -> None:
+        self.max_logit = torch.maximum(self.max_logit.to(m.device), m.float())
+
+    def pop_max_logit(self) -> torch.Tensor:
+        """Per-head max logit seen since the last call, (H,); resets the tracker."""
+        out, self.max_logit = self.max_logit, torch.full_like(self.max_logit, float("-inf"))
+        return out
 
     def sdpa(self, q, k, v, scale: float) -> torch.Tensor:
         Tq, Tk = q.shape[2], k.shape[2]
@@ -94,6 +124,8 @@ class Attention(nn.Module):
         s = self.qk.logits(s)
         mask = causal_mask(q.shape[2], k.shape[2], q.device)
         p = torch.softmax(s.float().masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+        if self.track_max_logit:
+            self._track(s.detach().masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3)))
         if self.capture is not None:
             self.capture["logits"], self.capture["probs"], self.capture["mask"] = s.detach(), p.detach(), mask
             self.capture["q"], self.capture["k"] = q.detach(), k.detach()

@@ -1,0 +1,85 @@
+"""Per-head learning rates for packed Q/K matrices, shared by the optimizer-side controllers.
+
+A packed W_Q (H * d, C) holds every head's rows. An optimizer step changes p by delta(lr); for AdamW
+and for Muon (decoupled weight decay included) that change is proportional to lr, because their state
+(moments, momentum) does not depend on lr. So a head learning rate lr * f_h is realised exactly by
+keeping the optimizer's step at lr and rescaling each head's slice of the change:
+
+    p_new[h] = p_old[h] + f_h * (p_stepped[h] - p_old[h])
+
+``HeadScaledUpdate`` snapshots the matrices before ``optimizer.step()`` and rescales after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class HeadMatrix:
+    """One matrix on the logit path: ``weight`` (n_heads * rows, C) split into n_heads row blocks
+    (n_heads = 1 for a matrix shared by all heads)."""
+
+    name: str
+    weight: nn.Parameter
+    n_heads: int
+
+    def heads(self, w: torch.Tensor | None = None) -> torch.Tensor:
+        w = self.weight if w is None else w
+        return w.view(self.n_heads, -1, w.shape[-1])  # (n_heads, rows, C)
+
+    def head_norms(self, kind: str = "fro") -> torch.Tensor:
+        """(n_heads,) Frobenius or spectral norm of each head's block."""
+        blocks = self.heads().detach().float()
+        if kind == "spectral":
+            return torch.linalg.matrix_norm(blocks, ord=2)
+        return blocks.flatten(1).norm(dim=1)
+
+
+def is_mla(attn: nn.Module) -> bool:
+    return hasattr(attn, "wuk")
+
+
+def logit_matrices(attn: nn.Module) -> dict[str, HeadMatrix]:
+    """The matrices on an attention layer's logit path, by name.
+
+    MHA/GQA: ``wq`` (per query head) and ``wk`` (per KV head). MLA: ``wuq``, ``wuk``, ``wqr`` (per
+    head), and ``wdq`` (absent without a query latent), ``wdkv``, ``wkr`` (shared by all heads).
+    """
+    if not is_mla(attn):
+        return {"wq": HeadMatrix("wq", attn.wq.weight, attn.n_heads),
+                "wk": HeadMatrix("wk", attn.wk.weight, attn.n_kv_heads)}
+    H = attn.n_heads
+    mats = {"wuq": HeadMatrix("wuq", attn.wuq.weight, H), "wuk": HeadMatrix("wuk", attn.wuk.weight, H),
+            "wqr": HeadMatrix("wqr", attn.wqr.weight, H)}
+    if attn.wdq is not None:
+        mats["wdq"] = HeadMatrix("wdq", attn.wdq.weight, 1)
+    mats["wdkv"] = HeadMatrix("wdkv", attn.wdkv.weight, 1)
+    mats["wkr"] = HeadMatrix("wkr", attn.wkr.weight, 1)
+    return mats
+
+
+class HeadScaledUpdate:
+    """Rescale each head's slice of the optimizer update by a factor (see module docstring)."""
+
+    def __init__(self, mats: list[HeadMatrix]) -> None:
+        self.mats = mats
+        self._before: list[torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def snapshot(self) -> None:
+        self._before = [m.weight.detach().clone() for m in self.mats]
+
+    @torch.no_grad()
+    def apply(self, factors: list[torch.Tensor]) -> None:
+        """factors[i]: (n_heads,) for mats[i]. Call right after optimizer.step()."""
+        assert self._before is not None, "snapshot() must run before the optimizer step"
+        for m, old, f in zip(self.mats, self._before, factors, strict=True):
+            new = m.heads()  # view into the parameter
+            oldh = m.heads(old)
+            f = f.to(new.device, new.dtype).view(-1, 1, 1)
+            new.copy_(oldh + f * (new - oldh))
+        self._before = None

@@ -1,0 +1,203 @@
+"""Optimizer-side controllers (QuacK, QK-clip, fixed multiplier) against independent references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qklab.config import TrainConfig
+from qklab.methods.qk_lr_multiplier import QKLRMultiplier, QKLRMultiplierOptions
+from qklab.methods.qkclip import QKClip, QKClipOptions
+from qklab.methods.quack import QuacK, QuacKOptions
+from qklab.model.attention import causal_mask, head_max_logit
+from qklab.train.evaluate import max_attention_logits
+from qklab.train.optim import build_optimizer
+from tests.conftest import tiny_gpt
+
+
+def _grads(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+def _step(model, opts, ctrl, step=0):
+    ctrl.before_step(step)
+    for o in opts:
+        o.step()
+    ctrl.after_step(step)
+
+
+def _perturb_norms(model):
+    """Make partner norms differ from init per head, so factors are not all 1."""
+    with torch.no_grad():
+        for b in model.blocks:
+            a = b.attn
+            a.wk.weight.view(a.n_kv_heads, -1, 64).mul_(torch.linspace(0.5, 2.0, a.n_kv_heads).view(-1, 1, 1))
+            a.wq.weight.view(a.n_heads, -1, 64).mul_(torch.linspace(2.0, 0.7, a.n_heads).view(-1, 1, 1))
+
+
+@pytest.mark.parametrize("n_kv", [0, 2])
+def test_quack_factor_is_one_at_init_and_matches_partner_norms(n_kv):
+    model = tiny_gpt(n_kv_heads=n_kv)
+    (opt,) = build_optimizer(model, TrainConfig(lr=1e-3))
+    ctrl = QuacK(model, [opt], QuacKOptions(tau=1.0))
+    for layer in ctrl.factors():
+        assert set(layer) == {"wq", "wk"}
+        assert all(torch.equal(f, torch.ones_like(f)) for f in layer.values())
+    a = model.blocks[0].attn
+    H, Hkv, d = a.n_heads, a.n_kv_heads, a.head_dim
+    q0 = [a.wq.weight[h * d : (h + 1) * d].norm().item() for h in range(H)]
+    k0 = [a.wk.weight[g * d : (g + 1) * d].norm().item() for g in range(Hkv)]
+    _perturb_norms(model)
+    q1 = [a.wq.weight[h * d : (h + 1) * d].norm().item() for h in range(H)]
+    k1 = [a.wk.weight[g * d : (g + 1) * d].norm().item() for g in range(Hkv)]
+    group = H // Hkv
+    f = ControllerTau(ctrl, 0.5).factors()[0]
+    fq, fk = f["wq"], f["wk"]
+    want_q = [0.5 * k0[h // group] / k1[h // group] for h in range(H)]
+    want_k = [0.5 * max(q0[g * group : (g + 1) * group]) / max(q1[g * group : (g + 1) * group]) for g in range(Hkv)]
+    torch.testing.assert_close(fq, torch.tensor(want_q), rtol=1e-5, atol=0)
+    torch.testing.assert_close(fk, torch.tensor(want_k), rtol=1e-5, atol=0)
+
+
+def ControllerTau(ctrl, tau):  # noqa: N802 -- same controller, another tau
+    ctrl.opts = QuacKOptions(tau=tau, norm=ctrl.opts.norm)
+    return ctrl
+
+
+def test_quack_spectral_norm_option():
+    model = tiny_gpt()
+    ctrl = QuacK(model, [], QuacKOptions(norm="spectral"))
+    a = model.blocks[1].attn
+    want = torch.linalg.svdvals(a.wk.weight[16:32].detach()).max()  # spectral norm of KV head 1
+    torch.testing.assert_close(1.0 / ctrl.phi0[1]["wq"][1], want)
+
+
+def test_quack_adamw_update_equals_single_head_adamw():
+    """Each head's actual update equals AdamW run on that head alone at lr * factor."""
+    model = tiny_gpt()
+    cfg = TrainConfig(lr=1e-2, weight_decay=0.1)
+    (opt,) = build_optimizer(model, cfg)
+    ctrl = QuacK(model, [opt], QuacKOptions(tau=0.7))
+    _perturb_norms(model)
+    a = model.blocks[0].attn
+    w0 = a.wq.weight.detach().clone()
+    _grads(model)
+    g = a.wq.weight.grad.clone()
+    fq = ctrl.factors()[0]["wq"]
+    _step(model, [opt], ctrl)
+    d = a.head_dim
+    for h in range(a.n_heads):
+        ref = torch.nn.Parameter(w0[h * d : (h + 1) * d].clone())
+        ref.grad = g[h * d : (h + 1) * d].clone()
+        torch.optim.AdamW([ref], lr=1e-2 * fq[h].item(), betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1).step()
+        torch.testing.assert_close(a.wq.weight[h * d : (h + 1) * d], ref, atol=1e-7, rtol=1e-5)
+    assert not torch.allclose(fq, torch.ones_like(fq))  # the factors did differ
+
+
+def test_quack_muon_update_equals_muon_at_head_rate():
+    """Muon orthogonalises the packed W_Q as a whole; each head's slice of the update equals that of a
+    Muon step on the packed matrix at the head's learning rate (docs/logit-control.md)."""
+    model = tiny_gpt()
+    cfg = TrainConfig(optimizer="muon", lr=0.02, weight_decay=0.1)
+    opts = build_optimizer(model, cfg)
+    ctrl = QuacK(model, opts, QuacKOptions(tau=1.0))
+    _perturb_norms(model)
+    a = model.blocks[1].attn
+    w0 = a.wk.weight.detach().clone()
+    _grads(model, seed=3)
+    g = a.wk.weight.grad.clone()
+    fk = ctrl.factors()[1]["wk"]
+    _step(model, opts, ctrl)
+    d = a.head_dim
+    for h in range(a.n_kv_heads):
+        ref = torch.nn.Parameter(w0.clone())
+        ref.grad = g.clone()
+        torch.optim.Muon([ref], lr=0.02 * fk[h].item(), weight_decay=0.1, momentum=0.95,
+                         adjust_lr_fn="match_rms_adamw").step()
+        torch.testing.assert_close(a.wk.weight[h * d : (h + 1) * d], ref[h * d : (h + 1) * d], atol=1e-6, rtol=1e-5)
+
+
+def test_multiplier_scales_qk_updates_only():
+    model, ref = tiny_gpt(), tiny_gpt()
+    ref.load_state_dict(model.state_dict())
+    (o1,), (o2,) = build_optimizer(model, TrainConfig(lr=1e-2)), build_optimizer(ref, TrainConfig(lr=1e-2))
+    w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _grads(model), _grads(ref)
+    _step(model, [o1], QKLRMultiplier(model, [o1], QKLRMultiplierOptions(tau=0.25)))
+    o2.step()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        if n.endswith(("wq.weight", "wk.weight")):
+            torch.testing.assert_close(p - w0[n], 0.25 * (q - w0[n]), atol=1e-7, rtol=1e-5)
+        else:
+            assert torch.equal(p, q), n
+
+
+def test_chunked_max_logit_equals_direct():
+    q, k = torch.randn(2, 4, 300, 8), torch.randn(2, 2, 300, 8)
+    kk = k.repeat_interleave(2, dim=1)
+    s = (q @ kk.transpose(-1, -2)) * 0.3
+    want = s.masked_fill(~causal_mask(300, 300, q.device), float("-inf")).amax(dim=(0, 2, 3))
+    torch.testing.assert_close(head_max_logit(q, k, 0.3, chunk=64), want)
+    # decode-style offsets: 5 queries against 300 keys
+    want5 = s[:, :, -5:].masked_fill(~causal_mask(5, 300, q.device), float("-inf")).amax(dim=(0, 2, 3))
+    torch.testing.assert_close(head_max_logit(q[:, :, -5:], k, 0.3), want5)
+
+
+@pytest.mark.parametrize("n_kv", [0, 2])
+def test_qkclip_bounds_clipped_heads_and_leaves_others(n_kv):
+    model = tiny_gpt(n_kv_heads=n_kv)
+    model.train()
+    with torch.no_grad():  # blow up heads 0 and 2 of every layer
+        for b in model.blocks:
+            b.attn.wq.weight.view(4, -1, 64)[[0, 2]] *= 400.0
+    x = torch.randint(0, 97, (2, 32))
+    inputs = {}  # each layer's attention input, to recompute its logits on the same input after the clip
+
+    def keep(i):
+        def hook(module, args):
+            inputs[i] = args[0].detach()
+        return hook
+
+    hooks = [b.attn.register_forward_pre_hook(keep(i)) for i, b in enumerate(model.blocks)]
+    before = max_attention_logits(model, x)  # (L, H)
+    for h in hooks:
+        h.remove()
+    tau = 10.0
+    assert (before[:, [0, 2]] > tau).all() and (before[:, [1, 3]] < tau).all()
+    (opt,) = build_optimizer(model, TrainConfig(lr=0.0, weight_decay=0.0))  # lr 0: only the clip acts
+    ctrl = QKClip(model, [opt], QKClipOptions(tau_clip=tau))
+    w_before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _, loss = model(x, x)  # fast path, tracking the per-head max
+    loss.backward()
+    for b, want in zip(model.blocks, before, strict=True):
+        torch.testing.assert_close(b.attn.max_logit, want, rtol=1e-5, atol=1e-5)
+    _step(model, [opt], ctrl)
+    after = torch.stack([_layer_max(b.attn, inputs[i], model.rope) for i, b in enumerate(model.blocks)])
+    assert (after[:, [0, 2]] <= tau * (1 + 1e-4)).all()
+    torch.testing.assert_close(after[:, [0, 2]], torch.full_like(after[:, [0, 2]], tau), rtol=1e-4, atol=0)
+    for b in model.blocks:
+        i = next(i for i, bb in enumerate(model.blocks) if bb is b)
+        wq = b.attn.wq.weight.view(4, -1, 64)
+        torch.testing.assert_close(wq[[1, 3]], w_before[f"blocks.{i}.attn.wq.weight"].view(4, -1, 64)[[1, 3]],
+                                   rtol=0, atol=0)
+        if n_kv == 0:  # MHA: unclipped heads' keys untouched too
+            wk = b.attn.wk.weight.view(4, -1, 64)
+            assert torch.equal(wk[[1, 3]], w_before[f"blocks.{i}.attn.wk.weight"].view(4, -1, 64)[[1, 3]])
+    assert ctrl.metrics()["qkclip_heads_clipped"] == 4
+
+
+@torch.no_grad()
+def _layer_max(attn, x, rope):
+    attn.capture = {}
+    attn(x, rope)
+    s, mask = attn.capture["logits"], attn.capture["mask"]
+    attn.capture = None
+    return s.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3))
+
+
+def test_qkclip_guards_nonpositive_max():
+    ctrl = QKClip(tiny_gpt(), [], QKClipOptions(tau_clip=5.0))
+    g = ctrl.gains(torch.tensor([-3.0, 0.0, float("-inf"), 4.0, 20.0]))
+    torch.testing.assert_close(g, torch.tensor([1.0, 1.0, 1.0, 1.0, 0.25]))
