@@ -1,0 +1,108 @@
+"""Reading attention internals through the eager path's capture dicts, in fp32 and without gradients.
+
+Every attention layer (``model.blocks[i].attn``) has a ``capture`` attribute: set it to a dict and the
+next forward pass runs the eager path and fills it with
+
+* ``logits`` (B, H, Tq, Tk): after the method's scaling and soft-cap, before the mask;
+* ``probs`` (B, H, Tq, Tk), ``mask`` (Tq, Tk), True where a query may see a key;
+* ``q`` (B, H, Tq, F) and ``k`` (B, Hk, Tk, F): after the method's map and RoPE (Hk is H or the KV
+  head count).
+
+The W_Q / W_K norms depend on how a layer type parametrises its logit path, so they go through a
+small registry: ``register_qk_weight_norms(AttentionClass, fn)``. MHA/GQA is registered here; an MLA
+layer registers the per-head matrices of its logit path (the product of the down- and up-projections
+for the content part, plus the decoupled RoPE part) the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from qklab.model.attention import Attention
+
+# fn(attn) -> (||W_Q^h||_F (H,), ||W_K^h||_F (H,)); a KV head's norm is repeated for its query heads
+QKWeightNorms = Callable[[nn.Module], tuple[torch.Tensor, torch.Tensor]]
+_WEIGHT_NORMS: dict[type, QKWeightNorms] = {}
+
+
+def attention_layers(model: nn.Module) -> list[nn.Module]:
+    return [b.attn for b in model.blocks]
+
+
+def model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@contextlib.contextmanager
+def probe_mode(model: nn.Module) -> Iterator[None]:
+    """eval mode, no gradients, autocast off (fp32 on fp32 weights); restores the training flag. Layers
+    that track a running max logit for a controller (``track_max_logit``, QK-clip) stop tracking
+    meanwhile, so probe batches never feed the controller."""
+    was_training = model.training
+    tracking = [(a, a.track_max_logit) for a in attention_layers(model) if hasattr(a, "track_max_logit")]
+    model.eval()
+    try:
+        for a, _ in tracking:
+            a.track_max_logit = False
+        with torch.no_grad(), torch.autocast(model_device(model).type, enabled=False):
+            yield
+    finally:
+        for a, flag in tracking:
+            a.track_max_logit = flag
+        model.train(was_training)
+
+
+@contextlib.contextmanager
+def capturing(model: nn.Module, reduce: Callable[[dict], None] | None = None) -> Iterator[list[dict]]:
+    """Yield one capture dict per layer, filled by the forward passes run inside the block.
+
+    ``reduce(capture)``, if given, runs right after each layer's forward (a forward hook) and may shrink
+    the dict in place, so that long contexts never hold every layer's (B, H, T, T) tensors at once."""
+    attns = attention_layers(model)
+    caps: list[dict] = [{} for _ in attns]
+    handles = []
+    for a, cap in zip(attns, caps, strict=True):
+        a.capture = cap
+        if reduce is not None:
+            handles.append(a.register_forward_hook(lambda _m, _args, _out, cap=cap: reduce(cap)))
+    try:
+        yield caps
+    finally:
+        for h in handles:
+            h.remove()
+        for a in attns:
+            a.capture = None
+
+
+def per_query_head(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """A per-head vector (..., Hk) over KV heads -> (..., H), each KV head repeated for its group."""
+    hk = x.shape[-1]
+    return x if hk == n_heads else x.repeat_interleave(n_heads // hk, dim=-1)
+
+
+def register_qk_weight_norms(cls: type, fn: QKWeightNorms) -> None:
+    """Register how to read per-head ||W_Q^h||_F, ||W_K^h||_F from an attention layer of type ``cls``."""
+    _WEIGHT_NORMS[cls] = fn
+
+
+def qk_weight_norms(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(||W_Q^h||_F, ||W_K^h||_F), each (H,) in fp32, or None for a layer type nobody registered."""
+    for cls in type(attn).__mro__:
+        if cls in _WEIGHT_NORMS:
+            with torch.no_grad():
+                return _WEIGHT_NORMS[cls](attn)
+    return None
+
+
+def _mha_weight_norms(attn: Attention) -> tuple[torch.Tensor, torch.Tensor]:
+    wq, wk = attn.wq.weight.float(), attn.wk.weight.float()  # (H * d', C'), (Hkv * d', C')
+    nq = wq.view(attn.n_heads, -1, wq.shape[1]).norm(dim=(1, 2))  # (H,)
+    nk = wk.view(attn.n_kv_heads, -1, wk.shape[1]).norm(dim=(1, 2))  # (Hkv,)
+    return nq, per_query_head(nk, attn.n_heads)
+
+
+register_qk_weight_norms(Attention, _mha_weight_norms)
