@@ -1,4 +1,4 @@
-"""Command line: ``qklab train``, ``qklab demo``.
+"""Command line: ``qklab train``, ``qklab demo``, ``qklab sweep``, ``qklab probe``.
 
 User mistakes print one line (``qklab: error: ...``) and exit with code 2, without a traceback.
 """
@@ -10,6 +10,7 @@ import sys
 
 from qklab.config import ConfigError, load_config
 from qklab.data import DataError
+from qklab.diagnostics.stability import NonFiniteError
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -39,6 +40,14 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _probe(args: argparse.Namespace) -> int:
+    from qklab.diagnostics.probe import run_probe
+
+    run_probe(args.path, out=args.out, batch=args.batch, samples=args.samples, seg_len=args.seg_len,
+              max_mult=args.max_mult, evidence=not args.no_evidence, device=args.device)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qklab", description="Train and compare QK methods for attention.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -64,6 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--out", required=True, help="folder for the runs and summary.{json,md}")
     w.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE", help="applied to every run")
     w.set_defaults(fn=_sweep)
+
+    r = sub.add_parser("probe", help="attention diagnostics of a trained run: probes.json and PNG plots")
+    r.add_argument("path", help="run folder (runs/<name>, uses its latest checkpoint) or a checkpoint ckpt/step_*")
+    r.add_argument("--out", help="folder for probes.json and the plots (default: the run folder)")
+    r.add_argument("--batch", type=int, default=8, help="sequences in the probe batch (held-out, fixed)")
+    r.add_argument("--samples", type=int, default=8, help="contexts per (length, depth) of the evidence test")
+    r.add_argument("--seg-len", type=int, default=16, help="length of the repeated random segment")
+    r.add_argument("--max-mult", type=int, default=8, help="longest evidence context, in training lengths")
+    r.add_argument("--no-evidence", action="store_true", help="skip the evidence-contrast grid")
+    r.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    r.set_defaults(fn=_probe)
     return p
 
 
@@ -74,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as e:
         print(f"qklab: error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:
+        print(f"qklab: stopped: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("qklab: interrupted; the last checkpoint is intact (continue with --resume)", file=sys.stderr)
         return 130

@@ -92,6 +92,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     threads: int = 0  # torch intra-op threads; 0: leave torch's default
     progress: bool = True
+    diag_every: int = 50  # attention diagnostics on a fixed held-out batch every N steps; 0: off (no cost)
+    diag_batch: int = 4  # sequences (of seq_len tokens) in the diagnostics probe batch
+    nonfinite: str = "stop"  # non-finite loss or gradient: stop (end the run) | skip (do not apply the step)
 
 
 @dataclass
@@ -136,6 +139,8 @@ class RunConfig:
         _check(t.seq_len <= m.max_seq_len,
                f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise max_seq_len")
         _check(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+        _check(t.diag_every >= 0 and t.diag_batch > 0, "train.diag_every must be >= 0 (0: off), train.diag_batch > 0")
+        _check(t.nonfinite in ("stop", "skip"), f"train.nonfinite='{t.nonfinite}': use stop or skip")
         try:
             self.data.validate()
         except DataError as e:

@@ -76,3 +76,25 @@ def test_measuring_restores_training_mode_and_leaves_no_capture():
     model = tiny_gpt("none").train()
     AttentionMonitor(torch.randint(0, 97, (1, 8))).measure(model, 0)
     assert model.training and all(b.attn.capture is None for b in model.blocks)
+
+
+@pytest.mark.parametrize("q_rank", [0, 16])
+def test_mla_weight_norms_are_the_norms_of_the_logit_path_maps(q_rank):
+    pytest.importorskip("qklab.model.mla")
+    from qklab.config import ModelConfig, QKConfig
+    from qklab.model import GPT
+
+    model = GPT(ModelConfig(vocab_size=97, d_model=32, n_layers=1, n_heads=4, max_seq_len=64, attention="mla",
+                            q_rank=q_rank), QKConfig()).eval()
+    a = model.blocks[0].attn
+    eye = torch.eye(32)  # rows: unit inputs; so each map's matrix is read column by column
+    with torch.no_grad():
+        cq = a.wdq(eye) if a.wdq is not None else eye
+        wq = torch.cat([a.wuq(cq).view(32, 4, -1), a.wqr(cq).view(32, 4, -1)], dim=-1)  # (C, H, F)
+        wk_nope = a.wuk(a.wdkv(eye)).view(32, 4, -1)  # (C, H, nope), latent RMSNorm left out
+        want_k = (wk_nope.pow(2).sum(dim=(0, 2)) + a.wkr.weight.pow(2).sum()).sqrt()
+    nq, nk = qk_weight_norms(a)
+    torch.testing.assert_close(nq, wq.pow(2).sum(dim=(0, 2)).sqrt())
+    torch.testing.assert_close(nk, want_k)
+    heads = snapshot(model, torch.randint(0, 97, (2, 16))).heads  # the materialised path fills the capture
+    assert heads["first_token"].shape == (1, 4) and torch.isfinite(heads["wq_norm"]).all()

@@ -8,10 +8,12 @@ next forward pass runs the eager path and fills it with
 * ``q`` (B, H, Tq, F) and ``k`` (B, Hk, Tk, F): after the method's map and RoPE (Hk is H or the KV
   head count).
 
-The W_Q / W_K norms depend on how a layer type parametrises its logit path, so they go through a
-small registry: ``register_qk_weight_norms(AttentionClass, fn)``. MHA/GQA is registered here; an MLA
-layer registers the per-head matrices of its logit path (the product of the down- and up-projections
-for the content part, plus the decoupled RoPE part) the same way.
+The W_Q / W_K norms depend on how a layer type parametrises its logit path. The default reads the
+matrices of ``qklab.methods.headwise.logit_matrices`` (the ones the QK controllers act on): for
+MHA/GQA the head's block of W_Q / W_K; for MLA the linear map from the attention input to head h's q
+(k) before the QK method's map, [W_uq^h W_dq ; W_qr^h W_dq] and [W_uk^h W_dkv ; W_kr], with the latent
+RMSNorms left out (as in QuacK's partner norms). Another layer type plugs in its own rule with
+``register_qk_weight_norms(AttentionClass, fn)``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from qklab.model.attention import Attention
+from qklab.methods.headwise import is_mla, logit_matrices
 
 # fn(attn) -> (||W_Q^h||_F (H,), ||W_K^h||_F (H,)); a KV head's norm is repeated for its query heads
 QKWeightNorms = Callable[[nn.Module], tuple[torch.Tensor, torch.Tensor]]
@@ -90,19 +92,27 @@ def register_qk_weight_norms(cls: type, fn: QKWeightNorms) -> None:
 
 
 def qk_weight_norms(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(||W_Q^h||_F, ||W_K^h||_F), each (H,) in fp32, or None for a layer type nobody registered."""
-    for cls in type(attn).__mro__:
-        if cls in _WEIGHT_NORMS:
-            with torch.no_grad():
-                return _WEIGHT_NORMS[cls](attn)
-    return None
+    """(||W_Q^h||_F, ||W_K^h||_F), each (H,) in fp32; None for a layer type with no known logit path."""
+    fn = next((_WEIGHT_NORMS[c] for c in type(attn).__mro__ if c in _WEIGHT_NORMS), logit_path_norms)
+    try:
+        with torch.no_grad():
+            return fn(attn)
+    except AttributeError:
+        return None
 
 
-def _mha_weight_norms(attn: Attention) -> tuple[torch.Tensor, torch.Tensor]:
-    wq, wk = attn.wq.weight.float(), attn.wk.weight.float()  # (H * d', C'), (Hkv * d', C')
-    nq = wq.view(attn.n_heads, -1, wq.shape[1]).norm(dim=(1, 2))  # (H,)
-    nk = wk.view(attn.n_kv_heads, -1, wk.shape[1]).norm(dim=(1, 2))  # (Hkv,)
-    return nq, per_query_head(nk, attn.n_heads)
-
-
-register_qk_weight_norms(Attention, _mha_weight_norms)
+def logit_path_norms(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The default rule (module docstring), MHA/GQA and MLA."""
+    m = logit_matrices(attn)
+    H = attn.n_heads
+    if not is_mla(attn):
+        return m["wq"].head_norms(), per_query_head(m["wk"].head_norms(), H)
+    uq, qr, uk = (m[k].heads().float() for k in ("wuq", "wqr", "wuk"))  # (H, n | r, q_in), (H, n, R)
+    if "wdq" in m:  # through the query latent: (H, rows, q_rank) @ (q_rank, C)
+        dq = m["wdq"].weight.float()
+        uq, qr = uq @ dq, qr @ dq
+    uk = uk @ m["wdkv"].weight.float()  # (H, n, C)
+    kr = m["wkr"].weight.float().norm()  # the rope key, shared by all heads
+    nq = (uq.flatten(1).norm(dim=1) ** 2 + qr.flatten(1).norm(dim=1) ** 2).sqrt()  # (H,)
+    nk = (uk.flatten(1).norm(dim=1) ** 2 + kr**2).sqrt()  # (H,)
+    return nq, nk

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import platform
 import random
 import subprocess
@@ -18,6 +19,8 @@ from tqdm import tqdm
 
 from qklab.config import ConfigError, RunConfig
 from qklab.data import PreparedData, TokenLoader, prepare_data
+from qklab.diagnostics.monitor import AttentionMonitor
+from qklab.diagnostics.stability import NonFiniteError, SpikeDetector
 from qklab.methods import CONTROLLERS
 from qklab.model import GPT
 from qklab.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -108,6 +111,9 @@ class Trainer:
         self.loader = TokenLoader(self.data.train_tokens(), t.batch_size, t.seq_len, seed=t.seed)
         self.val_batches = TokenLoader.eval_batches(self.data.val_tokens(), t.batch_size, t.seq_len, t.eval_batches)
         self.fwd = torch.compile(self.model) if t.compile else self.model
+        self.monitor = (AttentionMonitor.from_tokens(self.data.val_tokens(), t.diag_batch, t.seq_len)
+                        if t.diag_every else None)  # attention diagnostics; None: off
+        self.spikes = SpikeDetector()
         self.step = 0
         if resume_from is not None:
             self._restore(resume_from)
@@ -132,7 +138,7 @@ class Trainer:
                 "loader": self.loader.state_dict(),
                 "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
                         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-                "config": self.cfg.to_dict()}
+                "spikes": self.spikes.state_dict(), "config": self.cfg.to_dict()}
 
     def _restore(self, path: Path) -> None:
         state = load_checkpoint(path, self.model)
@@ -147,8 +153,13 @@ class Trainer:
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         self.step = state["step"]
+        self.spikes.load_state_dict(state.get("spikes", {}))
 
     def save(self) -> Path:
+        if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):  # keep the last good one
+            self.metrics.log(self.step, event="nonfinite_weights")
+            raise NonFiniteError(f"weights are non-finite at step {self.step}; no checkpoint written, the last good "
+                                 f"one is {latest_checkpoint(self.ckpt_dir) or 'none'}")
         return save_checkpoint(self.ckpt_dir, self.step, self.model, self._state(), keep=self.cfg.train.keep_ckpts)
 
     # ------------------------------------------------------------------------------------------------
@@ -165,14 +176,29 @@ class Trainer:
             total += loss.item()
         params = [p for p in self.model.parameters() if p.grad is not None]
         gnorm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
-        self.controller.before_step(self.step)
-        for opt in self.optimizers:
-            opt.step()
-        self.controller.after_step(self.step)
+        loss, gn = total / t.grad_accum, gnorm.item()
+        if math.isfinite(loss) and math.isfinite(gn):
+            self.controller.before_step(self.step)
+            for opt in self.optimizers:
+                opt.step()
+            self.controller.after_step(self.step)
+        else:
+            self._nonfinite(loss, gn)  # raises under train.nonfinite=stop; skip: the step is not applied
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self.step += 1
-        return total / t.grad_accum, gnorm.item()
+        return loss, gn
+
+    def _nonfinite(self, loss: float, gnorm: float) -> None:
+        what = "loss" if not math.isfinite(loss) else "gradient"
+        policy, step = self.cfg.train.nonfinite, self.step + 1
+        self.metrics.log(step, event=f"nonfinite_{policy}", loss=loss, grad_norm=gnorm)
+        if policy == "stop":
+            raise NonFiniteError(f"non-finite {what} at step {step} (loss {loss}, grad norm {gnorm}); stopped without "
+                                 f"applying it (train.nonfinite=stop). Last good checkpoint: "
+                                 f"{latest_checkpoint(self.ckpt_dir) or 'none'}; lower train.lr or set "
+                                 "train.nonfinite=skip, then continue with --resume")
+        self.log(f"step {step}: non-finite {what}; step skipped (train.nonfinite=skip)")
 
     def evaluate(self) -> dict[str, float]:
         val = eval_loss(self.model, self.val_batches, self.device, self.autocast)
@@ -189,6 +215,10 @@ class Trainer:
         last = {}
         tps_hist: list[float] = []
         try:
+            if self.monitor is not None:  # the reference for the first logit change; logged at step 0 only
+                base = self.monitor.measure(self.model, self.step)
+                if self.step == 0:
+                    self.metrics.log(0, diag=base)
             while self.step < t.steps:
                 t0 = time.perf_counter()
                 loss, gnorm = self.train_step()
@@ -197,6 +227,10 @@ class Trainer:
                 tps_hist.append(tps)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
+                spike = self.spikes.update(loss)
+                if spike is not None:
+                    self.metrics.log(self.step, event="loss_spike", **spike)
+                    bar.write(f"step {self.step}: loss spike {loss:.3f}, {spike['sigmas']:.1f} sigma above the window")
                 rec: dict[str, Any] = {}
                 if self.step % t.log_every == 0 or self.step == t.steps:
                     rec.update(loss=loss, grad_norm=gnorm, lr=self.optimizers[0].param_groups[0]["lr"],
@@ -205,6 +239,8 @@ class Trainer:
                     last = self.evaluate()
                     rec.update(last)
                     bar.write(f"step {self.step}: val_loss {last['val_loss']:.4f}  max_logit {last['max_logit']:.2f}")
+                if self.monitor is not None and self.step % t.diag_every == 0:
+                    rec["diag"] = self.monitor.measure(self.model, self.step)
                 if rec:
                     self.metrics.log(self.step, **rec)
                 if (t.ckpt_every and self.step % t.ckpt_every == 0) or self.step == t.steps:
