@@ -22,6 +22,14 @@ class ConfigError(ValueError):
     """A user mistake in a config; the message is one line, printed without a traceback."""
 
 
+class MLADims(typing.NamedTuple):
+    q_rank: int  # 0: no query latent
+    kv_rank: int
+    nope: int
+    rope: int
+    v: int
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 0  # 0: taken from the tokenizer
@@ -36,6 +44,19 @@ class ModelConfig:
     norm_eps: float = 1e-6
     init_std: float = 0.02
     attn_impl: str = "auto"  # auto | sdpa | eager
+    attention: str = "mha"  # mha (MHA/GQA, see n_kv_heads) | mla (multi-head latent attention, docs/mla.md)
+    q_rank: int = 0  # MLA query latent width; 0: no query latent (queries straight from x)
+    kv_rank: int = 0  # MLA key/value latent width; 0: 2 * head_dim
+    nope_dim: int = 0  # MLA per-head q/k width without RoPE; 0: head_dim
+    rope_dim: int = 0  # MLA per-head q/k width with RoPE (also the shared rope key's width); 0: head_dim // 2
+    v_dim: int = 0  # MLA per-head value width; 0: head_dim
+
+    @property
+    def mla_dims(self) -> MLADims:
+        """MLA widths with the defaults filled in."""
+        hd = self.head_dim
+        return MLADims(self.q_rank, self.kv_rank or 2 * hd, self.nope_dim or hd, self.rope_dim or hd // 2,
+                       self.v_dim or hd)
 
     @property
     def head_dim(self) -> int:
@@ -114,6 +135,13 @@ class RunConfig:
         _check(m.n_kv_heads >= 0 and m.n_heads % m.kv_heads == 0,
                f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} (GQA groups)")
         _check(m.attn_impl in ("auto", "sdpa", "eager"), f"model.attn_impl='{m.attn_impl}': use auto, sdpa or eager")
+        _check(m.attention in ("mha", "mla"), f"model.attention='{m.attention}': use mha or mla")
+        if m.attention == "mla":
+            _check(min(m.q_rank, m.kv_rank, m.nope_dim, m.rope_dim, m.v_dim) >= 0,
+                   "model.q_rank, kv_rank, nope_dim, rope_dim, v_dim must be >= 0 (0: the default)")
+            _check(m.mla_dims.rope > 0 and m.mla_dims.rope % 2 == 0,
+                   f"MLA rope width {m.mla_dims.rope} must be even and > 0; set model.rope_dim")
+            _check(m.n_kv_heads == 0, "model.n_kv_heads is for attention=mha (GQA); leave it 0 with attention=mla")
         _check(q.method in METHODS, f"qk.method='{q.method}' is unknown; choose one of {sorted(METHODS)}")
         _check(q.controller in CONTROLLERS,
                f"qk.controller='{q.controller}' is unknown; choose one of {sorted(CONTROLLERS)}")

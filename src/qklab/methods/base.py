@@ -90,6 +90,19 @@ class QKMethod(nn.Module):
         """Rewrite pre-softmax logits s (B, H, Tq, Tk), already scaled, before the mask."""
         return s
 
+    def latent_map(self, q: torch.Tensor, k: torch.Tensor, rope: Rope, pos: int
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``map_qk`` in the factorised form the MLA latent cache needs (asked only when
+        ``latent_cache_ok``): returns (q', gain, s) with q' = map_qk(q, k)[0] and the key map written as
+        map_qk(q, k)[1] = RoPE(gain * k) * s.
+
+        q: (B, H, T, F), k: (B, Hkv, T, F) pre-RoPE. gain (F,) is static: the absorbed MLA path folds it
+        into the query side and the shared rope key. s (B, Hkv, T, 1) is one scalar per token and key
+        head, cached beside the latent. None stands for 1. A method whose key map has any other form must
+        set ``latent_cache_ok = False``; ``tests/model/test_mla.py`` checks the identity for every
+        registered method. The default (keys only rotated): RoPE(q), 1, 1."""
+        return rope(q, pos), None, None
+
     def reset_parameters(self) -> None:
         """Initialise the method's own parameters (called from GPT.init_weights)."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from qklab.methods.base import AttnShape, QKMethod
@@ -30,6 +31,11 @@ class QKNorm(QKMethod):
     def map_qk(self, q, k, rope, pos):
         # q: (B, H, T, D), k: (B, Hkv, T, D); normalise over D, then rotate
         return rope(self.q_norm(q), pos), rope(self.k_norm(k), pos)
+
+    def latent_map(self, q, k, rope, pos):
+        # k_norm(k) = weight * k * rsqrt(mean(k^2) + eps): a static gain and one inverse RMS per token and head
+        s = torch.rsqrt(k.float().pow(2).mean(-1, keepdim=True) + self.opts.eps)  # (B, Hkv, T, 1)
+        return rope(self.q_norm(q), pos), self.k_norm.weight, s.to(k.dtype)
 
     def reset_parameters(self) -> None:
         self.q_norm.reset_parameters()

@@ -1,4 +1,4 @@
-"""A decoder-only GPT: token embedding, pre-norm RMSNorm blocks, SwiGLU MLP, RoPE, MHA/GQA."""
+"""A decoder-only GPT: token embedding, pre-norm RMSNorm blocks, SwiGLU MLP, RoPE, MHA/GQA or MLA."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torch import nn
 
 from qklab.config import ModelConfig, QKConfig
 from qklab.model.attention import Attention, KVCache
+from qklab.model.mla import LatentCache, MLAttention
 from qklab.model.rope import Rope
 
 
@@ -28,11 +29,11 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, qk: QKConfig, layer_idx: int) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.attn = Attention(cfg, qk, layer_idx)
+        self.attn = MLAttention(cfg, qk, layer_idx) if cfg.attention == "mla" else Attention(cfg, qk, layer_idx)
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.ff_dim)
 
-    def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache | LatentCache | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope, cache)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -62,6 +63,8 @@ class GPT(nn.Module):
         * output projections (attention wo, MLP w2): N(0, init_std / sqrt(2 * n_layers)), so that the
           residual stream's variance does not grow with depth (GPT-2)
         * RMSNorm gains: 1
+        * MLA: the matrices that produce q and k (wuq, wqr, wuk, wkr) as Q, K projections; wdq, wdkv, wuv
+          as V; wo as an output projection; the latent RMSNorm gains 1
         * the QK method's own parameters: its ``reset_parameters()``
         """
         std = self.cfg.init_std
@@ -71,10 +74,17 @@ class GPT(nn.Module):
             nn.init.normal_(self.lm_head.weight, 0.0, std)
         for block in self.blocks:
             a, m = block.attn, block.mlp
-            for w in (a.wq.weight, a.wk.weight):  # a QK method may ask for its own scale
-                nn.init.normal_(w, 0.0, a.qk.qk_init_std(std))
-            for w in (a.wv.weight, m.w1.weight, m.w3.weight):
-                nn.init.normal_(w, 0.0, std)
+            if isinstance(a, MLAttention):
+                qk_ws, v_ws = (a.wuq, a.wqr, a.wuk, a.wkr), [w for w in (a.wdq, a.wdkv, a.wuv) if w is not None]
+                for norm in (a.q_norm, a.kv_norm):
+                    if norm is not None:
+                        norm.reset_parameters()
+            else:
+                qk_ws, v_ws = (a.wq, a.wk), [a.wv]
+            for w in qk_ws:  # a QK method may ask for its own scale
+                nn.init.normal_(w.weight, 0.0, a.qk.qk_init_std(std))
+            for w in (*v_ws, m.w1, m.w3):
+                nn.init.normal_(w.weight, 0.0, std)
             for w in (a.wo.weight, m.w2.weight):
                 nn.init.normal_(w, 0.0, out_std)
             block.attn_norm.reset_parameters()
@@ -86,7 +96,7 @@ class GPT(nn.Module):
         self,
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
-        caches: list[KVCache] | None = None,
+        caches: list[KVCache | LatentCache] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx (B, T) int64 -> logits (B, T, V) and, with targets (B, T), the mean cross-entropy."""
         x = self.tok_emb(idx)  # (B, T, C)
@@ -98,13 +108,19 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return logits, loss
 
-    def make_caches(self, batch: int, max_len: int | None = None) -> list[KVCache]:
-        """Empty KV caches, one per layer, for ``batch`` sequences of up to ``max_len`` tokens."""
+    def make_caches(self, batch: int, max_len: int | None = None,
+                    latent: bool | None = None) -> list[KVCache | LatentCache]:
+        """Empty KV caches, one per layer, for ``batch`` sequences of up to ``max_len`` tokens. MLA layers
+        get a latent cache when their QK method allows it (``latent=None``), always (``True``; refused
+        for methods that cannot keep it) or per-head k/v caches (``False``)."""
         L = max_len or self.cfg.max_seq_len
         p = self.tok_emb.weight
         caches = []
         for block in self.blocks:
             a = block.attn
+            if isinstance(a, MLAttention):
+                caches.append(a.make_cache(batch, L, p.device, p.dtype, latent))
+                continue
             k = torch.zeros(batch, a.n_kv_heads, L, a.qk.feature_dim(), device=p.device, dtype=p.dtype)
             v = torch.zeros(batch, a.n_kv_heads, L, a.head_dim, device=p.device, dtype=p.dtype)
             caches.append(KVCache(k, v))
