@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -201,3 +203,102 @@ def test_qkclip_guards_nonpositive_max():
     ctrl = QKClip(tiny_gpt(), [], QKClipOptions(tau_clip=5.0))
     g = ctrl.gains(torch.tensor([-3.0, 0.0, float("-inf"), 4.0, 20.0]))
     torch.testing.assert_close(g, torch.tensor([1.0, 1.0, 1.0, 1.0, 0.25]))
+
+
+# --- MLA ---------------------------------------------------------------------------------------------
+
+
+def _mla(q_rank=24):
+    from qklab.config import ModelConfig, QKConfig
+    from qklab.model import GPT
+
+    cfg = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, max_seq_len=64, attention="mla",
+                      q_rank=q_rank, kv_rank=16, nope_dim=8, rope_dim=8, v_dim=8)
+    return GPT(cfg, QKConfig()).eval()
+
+
+@pytest.mark.parametrize("q_rank", [24, 0])
+def test_quack_mla_factors_match_formulas(q_rank):
+    model = _mla(q_rank)
+    at_init = copy.deepcopy(model.blocks[1].attn)
+    ctrl = QuacK(model, [], QuacKOptions(tau=2.0))
+    for layer in ctrl.factors():  # tau at init
+        assert all(torch.allclose(f, torch.full_like(f, 2.0)) for f in layer.values())
+    with torch.no_grad():  # grow every logit-path matrix differently
+        for i, p in enumerate(model.parameters()):
+            if p.ndim == 2:
+                p.mul_(1.0 + 0.1 * (i % 5))
+        a = model.blocks[1].attn
+        a.wuk.weight.view(4, -1, 16).mul_(torch.tensor([1.0, 3.0, 0.5, 2.0]).view(-1, 1, 1))
+    a = model.blocks[1].attn
+    H = 4
+
+    def heads(w):
+        return [w.view(H, -1, w.shape[-1])[h].norm().item() for h in range(H)]
+
+    def norms(m):
+        uq, uk, qr = heads(m.wuq.weight), heads(m.wuk.weight), heads(m.wqr.weight)
+        dq = m.wdq.weight.norm().item() if m.wdq is not None else 1.0
+        return uq, uk, qr, dq, m.wdkv.weight.norm().item(), m.wkr.weight.norm().item()
+
+    def phi(m):
+        uq, uk, qr, dq, dkv, kr = norms(m)
+        out = {"wuq": [1 / (dq * uk[h] * dkv) for h in range(H)], "wuk": [1 / (uq[h] * dq * dkv) for h in range(H)],
+               "wqr": [1 / (dq * kr)] * H, "wdkv": [1 / max(uq[h] * dq * uk[h] for h in range(H))],
+               "wkr": [1 / max(qr[h] * dq for h in range(H))]}
+        if m.wdq is not None:
+            out["wdq"] = [min(1 / max(uq[h] * uk[h] * dkv for h in range(H)), 1 / max(qr[h] * kr for h in range(H)))]
+        return out
+
+    init = {k: torch.tensor(v) for k, v in phi(at_init).items()}
+    got = ctrl.factors()[1]
+    assert set(got) == set(init)
+    for k, v in phi(a).items():
+        torch.testing.assert_close(got[k], 2.0 * torch.tensor(v) / init[k], rtol=1e-5, atol=0)
+
+
+def test_qkclip_mla_scales_uq_uk_by_sqrt_and_qr_fully():
+    model = _mla()
+    a = model.blocks[0].attn
+    before = {n: getattr(a, n).weight.detach().clone() for n in ("wuq", "wuk", "wqr", "wkr", "wdq", "wdkv")}
+    g = torch.tensor([1.0, 0.25, 1.0, 0.64])
+    QKClip.rescale(a, g)
+    for name, f in (("wuq", g.sqrt()), ("wuk", g.sqrt()), ("wqr", g)):
+        w = getattr(a, name).weight.view(4, -1, getattr(a, name).weight.shape[-1])
+        torch.testing.assert_close(w, before[name].view_as(w) * f.view(-1, 1, 1))
+    for name in ("wkr", "wdq", "wdkv"):
+        assert torch.equal(getattr(a, name).weight, before[name])
+
+
+def test_qkclip_mla_end_to_end_bounds_clipped_heads():
+    model = _mla()
+    model.train()
+    with torch.no_grad():
+        for b in model.blocks:
+            b.attn.wuq.weight.view(4, -1, 24)[[1, 3]] *= 60.0
+            b.attn.wuk.weight.view(4, -1, 16)[[1, 3]] *= 60.0
+            b.attn.wqr.weight.view(4, -1, 24)[[1, 3]] *= 60.0
+            b.attn.wkr.weight.mul_(30.0)
+    x = torch.randint(0, 97, (2, 32))
+    inputs = {}
+
+    def keep(i):
+        def hook(module, args):
+            inputs[i] = args[0].detach()
+        return hook
+
+    hooks = [b.attn.register_forward_pre_hook(keep(i)) for i, b in enumerate(model.blocks)]
+    (opt,) = build_optimizer(model, TrainConfig(lr=0.0, weight_decay=0.0))
+    tau = 5.0
+    ctrl = QKClip(model, [opt], QKClipOptions(tau_clip=tau))
+    _, loss = model(x, x)
+    loss.backward()
+    for h in hooks:
+        h.remove()
+    before = torch.stack([b.attn.max_logit.clone() for b in model.blocks])
+    assert (before[:, [1, 3]] > tau).all()
+    _step(model, [opt], ctrl)
+    after = torch.stack([_layer_max(b.attn, inputs[i], model.rope) for i, b in enumerate(model.blocks)])
+    over = before > tau
+    torch.testing.assert_close(after[over], torch.full_like(after[over], tau), rtol=1e-4, atol=0)
+    torch.testing.assert_close(after[~over], before[~over], rtol=1e-5, atol=1e-5)

@@ -59,7 +59,24 @@ def head_max_logit(q: torch.Tensor, k: torch.Tensor, scale: float, logits_fn=Non
     return best
 
 
-class Attention(nn.Module):
+class MaxLogitTracker:
+    """Per-head running max of the pre-softmax logit over every forward while ``track_max_logit`` is
+    on (QK-clip reads it once per optimizer step with ``pop_max_logit``)."""
+
+    def init_tracker(self, n_heads: int) -> None:
+        self.track_max_logit = False
+        self.max_logit = torch.full((n_heads,), float("-inf"))
+
+    def _track(self, m: torch.Tensor) -> None:
+        self.max_logit = torch.maximum(self.max_logit.to(m.device), m.float())
+
+    def pop_max_logit(self) -> torch.Tensor:
+        """Per-head max logit seen since the last call, (H,); resets the tracker."""
+        out, self.max_logit = self.max_logit, torch.full_like(self.max_logit, float("-inf"))
+        return out
+
+
+class Attention(nn.Module, MaxLogitTracker):
     def __init__(self, cfg, qk_cfg, layer_idx: int) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
@@ -72,9 +89,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=False)
         self.impl = cfg.attn_impl
         self.capture: dict[str, torch.Tensor] | None = None
-        # per-head running max of the pre-softmax logit, kept while track_max_logit is on (QK-clip)
-        self.track_max_logit = False
-        self.max_logit = torch.full((self.n_heads,), float("-inf"))
+        self.init_tracker(self.n_heads)
 
     @property
     def use_eager(self) -> bool:
@@ -99,14 +114,6 @@ class Attention(nn.Module):
             y = self.sdpa(q, k, v, scale)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
         return self.wo(y)
-
-    def _track(self, m: torch.Tensor) -> None:
-        self.max_logit = torch.maximum(self.max_logit.to(m.device), m.float())
-
-    def pop_max_logit(self) -> torch.Tensor:
-        """Per-head max logit seen since the last call, (H,); resets the tracker."""
-        out, self.max_logit = self.max_logit, torch.full_like(self.max_logit, float("-inf"))
-        return out
 
     def sdpa(self, q, k, v, scale: float) -> torch.Tensor:
         Tq, Tk = q.shape[2], k.shape[2]

@@ -44,7 +44,7 @@ from torch import nn
 
 from qklab.config import ConfigError
 from qklab.methods import METHODS, AttnShape, QKMethod
-from qklab.model.attention import KVCache, causal_mask
+from qklab.model.attention import KVCache, MaxLogitTracker, causal_mask, head_max_logit
 from qklab.model.rope import Rope
 
 LATENT_PATHS = ("auto", "absorbed", "materialised")
@@ -98,7 +98,7 @@ class LatentCache:
         return self.kv[:, :b], ks
 
 
-class MLAttention(nn.Module):
+class MLAttention(nn.Module, MaxLogitTracker):
     def __init__(self, cfg, qk_cfg, layer_idx: int) -> None:
         super().__init__()
         d = cfg.mla_dims
@@ -126,6 +126,7 @@ class MLAttention(nn.Module):
         self.impl = cfg.attn_impl
         self.latent_path = "auto"  # auto | absorbed | materialised, for LatentCache decoding
         self.capture: dict[str, torch.Tensor] | None = None
+        self.init_tracker(self.n_heads)  # QK-clip's per-head max logit (materialised path)
 
     @property
     def use_eager(self) -> bool:
@@ -239,6 +240,8 @@ class MLAttention(nn.Module):
     def _attend(self, q, k, v, scale: float) -> torch.Tensor:
         """q (B, H, Tq, F), k (B, H, Tk, F), v (B, H, Tk, Dv) -> (B, H, Tq, Dv)."""
         Tq, Tk = q.shape[2], k.shape[2]
+        if self.track_max_logit:
+            self._track(head_max_logit(q, k, scale, self.qk.logits))
         if not self.use_eager:
             if Tq == Tk:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
