@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from qklab.config import ConfigError
-from qklab.sweep import diverged, parse_variant, run_sweep
+from qklab.sweep import diverged, lr_grid_table, parse_variant, run_sweep
 
 
 def test_sweep_table_and_resume(tmp_path, capsys):
@@ -35,3 +35,15 @@ def test_diverged_rule():
 def test_bad_variant():
     with pytest.raises(ConfigError, match="label:key=value"):
         parse_variant("no-colon")
+
+
+def test_lr_grid_table_marks_divergence_and_stable_range():
+    table = [{"variant": "a-x1", "val_loss": 5.00, "max_logit": 10.0, "diverged": 0},
+             {"variant": "a-x4", "val_loss": 5.04, "max_logit": 50.0, "diverged": 0},
+             {"variant": "a-x16", "val_loss": float("nan"), "max_logit": float("nan"), "diverged": 1},
+             {"variant": "b-x1", "val_loss": 5.20, "max_logit": 5.0, "diverged": 0},
+             {"variant": "b-x4", "val_loss": 5.10, "max_logit": 6.0, "diverged": 0}]
+    out = lr_grid_table({"table": table}).splitlines()
+    assert out[0] == "| method | lr x1 | lr x4 | lr x16 | stable range |"
+    assert out[2] == "| a | 5.000 (10) | 5.040 (50) | **diverged** | x1, x4 |"
+    assert out[3] == "| b | 5.200 (5) | 5.100 (6) | not run | x4 |"

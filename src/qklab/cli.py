@@ -33,10 +33,14 @@ def _demo(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from qklab.sweep import parse_variant, run_sweep
+    from qklab.sweep import lr_grid_table, parse_variant, run_sweep
 
     seeds = [int(s) for s in args.seeds.split(",")]
-    run_sweep(args.config, [parse_variant(v) for v in args.variant], seeds, Path(args.out), args.set)
+    summary = run_sweep(args.config, [parse_variant(v) for v in args.variant], seeds, Path(args.out), args.set)
+    if args.lr_grid:  # labels <method>-x<multiplier>: a method x learning-rate table
+        table = lr_grid_table(summary)
+        (Path(args.out) / "lr_grid.md").write_text(table)
+        print(table)
     return 0
 
 
@@ -72,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--seeds", default="0,1,2")
     w.add_argument("--out", required=True, help="folder for the runs and summary.{json,md}")
     w.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE", help="applied to every run")
+    w.add_argument("--lr-grid", action="store_true", help="labels are <method>-x<lr multiplier>: also write lr_grid.md")
     w.set_defaults(fn=_sweep)
 
     r = sub.add_parser("probe", help="attention diagnostics of a trained run: probes.json and PNG plots")

@@ -111,3 +111,31 @@ def markdown_table(rows: list[dict]) -> str:
                      f"{r['max_logit']:.2f} ± {r['max_logit_std']:.2f} | {r['diverged']}/{r['n']} | "
                      f"{r['tokens_per_s']:,.0f} |")
     return "\n".join(lines) + "\n"
+
+
+def lr_grid_table(summary: dict) -> str:
+    """A method x learning-rate table from a sweep whose labels are ``<method>-x<multiplier>``: final
+    val loss (max logit), diverged runs marked, and each method's stable range (rates within 0.05 nats
+    of its best, shared/specs/analyses.md item 7)."""
+    cells: dict[str, dict[float, dict]] = {}
+    for row in summary["table"]:
+        method, _, mult = row["variant"].rpartition("-x")
+        cells.setdefault(method, {})[float(mult)] = row
+    mults = sorted({m for c in cells.values() for m in c})
+    lines = ["| method | " + " | ".join(f"lr x{m:g}" for m in mults) + " | stable range |",
+             "|---|" + "---|" * (len(mults) + 1)]
+    for method, c in cells.items():
+        ok = {m: r["val_loss"] for m, r in c.items() if not r["diverged"] and math.isfinite(r["val_loss"])}
+        best = min(ok.values()) if ok else float("nan")
+        stable = [f"x{m:g}" for m in mults if m in ok and ok[m] <= best + 0.05]
+        row = []
+        for m in mults:
+            r = c.get(m)
+            if r is None:
+                row.append("not run")
+            elif r["diverged"]:
+                row.append("**diverged**")
+            else:
+                row.append(f"{r['val_loss']:.3f} ({r['max_logit']:.0f})")
+        lines.append(f"| {method} | " + " | ".join(row) + f" | {', '.join(stable) or '-'} |")
+    return "\n".join(lines) + "\n"
