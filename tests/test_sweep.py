@@ -27,9 +27,9 @@ def test_sweep_table_and_resume(tmp_path, capsys):
 
 
 def test_diverged_rule():
-    assert diverged([{"loss": 5.0}, {"loss": "nan"}])
-    assert diverged([{"loss": 5.0}, {"loss": 6.0}])
-    assert not diverged([{"loss": 5.0}, {"loss": 3.0}])
+    assert diverged([{"step": 1, "loss": 5.0}, {"step": 2, "loss": "nan"}])
+    assert diverged([{"step": 1, "loss": 5.0}, {"step": 2, "loss": 6.0}])
+    assert not diverged([{"step": 1, "loss": 5.0}, {"step": 2, "loss": 3.0}])
 
 
 def test_bad_variant():

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from qklab.config import ConfigError, load_config
 from qklab.data import prepare_data
+from qklab.diagnostics.stability import diverged
 from qklab.train.checkpoint import latest_checkpoint
 from qklab.train.metrics import read_metrics
 from qklab.train.trainer import Trainer
@@ -34,15 +35,6 @@ def parse_variant(spec: str) -> Variant:
     if not sep or not label:
         raise ConfigError(f"--variant '{spec}' must look like label:key=value,key=value")
     return Variant(label, [kv for kv in rest.split(",") if kv])
-
-
-def diverged(records: list[dict]) -> bool:
-    """A run diverged if its loss was ever non-finite or its final loss exceeds its initial loss."""
-    losses = [r["loss"] for r in records if "loss" in r]
-    if not losses:
-        return False
-    vals = [float(x) for x in losses]
-    return any(not math.isfinite(v) for v in vals) or vals[-1] > vals[0]
 
 
 def _finished(run_dir: Path, steps: int) -> bool:

@@ -302,3 +302,16 @@ def test_qkclip_mla_end_to_end_bounds_clipped_heads():
     over = before > tau
     torch.testing.assert_close(after[over], torch.full_like(after[over], tau), rtol=1e-4, atol=0)
     torch.testing.assert_close(after[~over], before[~over], rtol=1e-5, atol=1e-5)
+
+
+def test_max_logit_tracker_ignores_eval_forwards():
+    model = tiny_gpt()
+    QKClip(model, [], QKClipOptions(tau_clip=1.0))
+    x = torch.randint(0, 97, (2, 16))
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    assert torch.isinf(model.blocks[0].attn.max_logit).all()  # nothing tracked in eval mode
+    model.train()
+    model(x)
+    torch.testing.assert_close(model.blocks[0].attn.max_logit, max_attention_logits(model, x)[0])

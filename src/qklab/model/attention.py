@@ -60,8 +60,13 @@ def head_max_logit(q: torch.Tensor, k: torch.Tensor, scale: float, logits_fn=Non
 
 
 class MaxLogitTracker:
-    """Per-head running max of the pre-softmax logit over every forward while ``track_max_logit`` is
-    on (QK-clip reads it once per optimizer step with ``pop_max_logit``)."""
+    """Per-head running max of the pre-softmax logit over every training-mode forward while
+    ``track_max_logit`` is on (QK-clip reads it once per optimizer step with ``pop_max_logit``);
+    evaluation forwards (``model.eval()``) do not count."""
+
+    @property
+    def tracking(self) -> bool:
+        return self.track_max_logit and self.training
 
     def init_tracker(self, n_heads: int) -> None:
         self.track_max_logit = False
@@ -106,7 +111,7 @@ class Attention(nn.Module, MaxLogitTracker):
         if cache is not None:
             k, v = cache.append(k, v)  # (B, Hkv, L, F), (B, Hkv, L, D)
         scale = self.qk.scale(q.shape[-1])
-        if self.track_max_logit and not self.use_eager:
+        if self.tracking and not self.use_eager:
             self._track(head_max_logit(q, k, scale, self.qk.logits))
         if self.use_eager:
             y = self.eager(q, k, v, scale)
@@ -131,7 +136,7 @@ class Attention(nn.Module, MaxLogitTracker):
         s = self.qk.logits(s)
         mask = causal_mask(q.shape[2], k.shape[2], q.device)
         p = torch.softmax(s.float().masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
-        if self.track_max_logit:
+        if self.tracking:
             self._track(s.detach().masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3)))
         if self.capture is not None:
             self.capture["logits"], self.capture["probs"], self.capture["mask"] = s.detach(), p.detach(), mask

@@ -240,7 +240,7 @@ class MLAttention(nn.Module, MaxLogitTracker):
     def _attend(self, q, k, v, scale: float) -> torch.Tensor:
         """q (B, H, Tq, F), k (B, H, Tk, F), v (B, H, Tk, Dv) -> (B, H, Tq, Dv)."""
         Tq, Tk = q.shape[2], k.shape[2]
-        if self.track_max_logit:
+        if self.tracking:
             self._track(head_max_logit(q, k, scale, self.qk.logits))
         if not self.use_eager:
             if Tq == Tk:
