@@ -90,6 +90,8 @@ class QKMap(QKMethod):
         if opts.rope == "before" and self.d % 2:
             raise ValueError(f"qk.qkmap.rope=before needs an even proj_dim, got {self.d}")
         groups = {"layer": 1, "head": shape.n_kv_heads, "coord": shape.n_kv_heads}[opts.sharing]
+        if opts.variant == "input":  # the map acts before the heads exist: one set for the layer
+            groups = 1
         coords = self.d if opts.sharing == "coord" else 1
         self.log_freq = nn.Parameter(torch.zeros(groups, coords, M), requires_grad=opts.learn_freqs)  # (G, d|1, M)
         self.temp = nn.Parameter(torch.zeros(shape.n_heads), requires_grad=opts.learn_temperature)  # (H,)
