@@ -5,7 +5,8 @@ the optimizer step), so a method's whole cost is counted. The first variant is t
 
     python benchmarks/step_time.py --config small --variant none: --variant "qkmap:qk.method=qkmap"
 
-Prints JSON: median seconds per step of each variant and its ratio to the baseline.
+Prints JSON: median seconds per step of each variant and its ratio to the baseline, the median of
+per-round ratios (``_timing.py``).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 
 import torch
+from _timing import interleaved, paired_ratio
 
 from qklab.config import load_config
 from qklab.data import prepare_data
@@ -29,44 +30,54 @@ def main() -> None:
     ap.add_argument("--config", default="small")
     ap.add_argument("--variant", action="append", required=True, metavar="LABEL:K=V,K=V")
     ap.add_argument("--set", action="append", default=[])
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
-    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=1, help="timed steps per variant per round")
+    ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variant]
     with tempfile.TemporaryDirectory() as tmp:
-        cfgs = {v.label: load_config(args.config, [*args.set, *v.overrides, f"train.out_dir='{tmp}'",
-                                                   f"train.name={v.label}", "train.progress=false",
-                                                   "train.steps=100000"]) for v in variants}
+        cfgs = {
+            v.label: load_config(
+                args.config,
+                [
+                    *args.set,
+                    *v.overrides,
+                    f"train.out_dir='{tmp}'",
+                    f"train.name={v.label}",
+                    "train.progress=false",
+                    "train.steps=100000",
+                ],
+            )
+            for v in variants
+        }
         data = prepare_data(next(iter(cfgs.values())).data, log=lambda s: None)
         trainers = {k: Trainer(c, data=data, log=lambda s: None) for k, c in cfgs.items()}
         for t in trainers.values():
             for _ in range(args.warmup):
                 t.train_step()
-        times: dict[str, list[float]] = {k: [] for k in trainers}
-        for r in range(args.rounds):
-            order = list(trainers) if r % 2 == 0 else list(trainers)[::-1]
-            for k in order:
-                t = trainers[k]
-                if t.device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    t.train_step()
-                if t.device.type == "cuda":
-                    torch.cuda.synchronize()
-                times[k].append((time.perf_counter() - t0) / args.steps)
+        device = next(iter(trainers.values())).device
+        times = interleaved({k: t.train_step for k, t in trainers.items()}, args.rounds, args.steps, device)
         for t in trainers.values():
             t.metrics.close()
     base = variants[0].label
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(json.dumps({
-        "config": args.config, "overrides": args.set, "threads": torch.get_num_threads(),
-        "variants": {v.label: v.overrides for v in variants},
-        "step_s": {k: round(v, 5) for k, v in med.items()},
-        "ratio_to_" + base: {k: round(v / med[base], 4) for k, v in med.items()},
-        "rounds": args.rounds, "steps_per_round": args.steps,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "config": args.config,
+                "overrides": args.set,
+                "threads": torch.get_num_threads(),
+                "variants": {v.label: v.overrides for v in variants},
+                "step_s": {k: round(v, 5) for k, v in med.items()},
+                # paired: the median over rounds of t_variant / t_base within the round (see _timing.py)
+                "ratio_to_" + base: {k: paired_ratio(times[k], times[base]) for k in med},
+                "ratio_of_medians": {k: round(v / med[base], 4) for k, v in med.items()},
+                "rounds": args.rounds,
+                "steps_per_round": args.steps,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 The reference is a self-contained GPT of identical shape (pre-norm RMSNorm, RoPE, SDPA attention,
 SwiGLU, tied head) trained with the same optimizer; it shares no code with qklab's model. Both are
-timed in the same process, interleaved round by round, so machine noise hits both alike. Peak memory
+timed in the same process, interleaved step by step; the ratio is the median of per-round ratios
+(``_timing.py``), so machine drift cancels. The reference uses ``torch.optim.AdamW`` with its defaults,
+as a plain loop would; qklab uses the fused kernel, which computes the same update. Peak memory
 is the CUDA allocator's peak on GPU, and on CPU the peak RSS of a fresh subprocess per model.
 
     python benchmarks/throughput.py --config small [--set qk.method=qknorm] [--steps 10 --rounds 5]
@@ -19,10 +21,10 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
+from _timing import interleaved, paired_ratio, sync
 from torch import nn
 
 from qklab.config import load_config
@@ -85,14 +87,17 @@ def build(kind: str, cfg, device):
     if kind == "qklab":
         model = GPT(m, cfg.qk).to(device)
     else:
-        model = RefGPT(m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.ff_dim, cfg.train.seq_len,
-                       m.rope_theta, m.norm_eps).to(device)
+        model = RefGPT(
+            m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.ff_dim, cfg.train.seq_len, m.rope_theta, m.norm_eps
+        ).to(device)
     # same optimizer recipe for both: qklab's param grouping logic applied by name pattern
     if kind == "ref" and cfg.train.optimizer == "muon":
         hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
         rest = [p for n, p in model.named_parameters() if not (p.ndim == 2 and n.startswith("blocks."))]
-        opts = [torch.optim.Muon(hidden, lr=cfg.train.lr, adjust_lr_fn="match_rms_adamw"),
-                torch.optim.AdamW(rest, lr=cfg.train.lr, betas=(0.9, 0.95))]
+        opts = [
+            torch.optim.Muon(hidden, lr=cfg.train.lr, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.AdamW(rest, lr=cfg.train.lr, betas=(0.9, 0.95)),
+        ]
     elif kind == "ref":
         opts = [torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95), weight_decay=0.1)]
     else:
@@ -108,11 +113,6 @@ def step(model, opts, x, y, clip):
         o.step()
         o.zero_grad(set_to_none=True)
     return loss
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def peak_memory_mb(kind: str, args) -> float:
@@ -154,8 +154,8 @@ def main() -> None:
     ap.add_argument("--config", default="small")
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--vocab", type=int, default=4096, help="vocab size when the config takes it from the data")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per model per round")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=1, help="timed steps per model per round")
+    ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--memory-of", choices=["qklab", "ref"], help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -175,32 +175,32 @@ def main() -> None:
     for model, opts in models.values():
         for _ in range(args.warmup):
             step(model, opts, x, y, 1.0)
-    times: dict[str, list[float]] = {k: [] for k in models}
-    for r in range(args.rounds):
-        order = list(models) if r % 2 == 0 else list(models)[::-1]
-        for k in order:
-            model, opts = models[k]
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                step(model, opts, x, y, 1.0)
-            sync(device)
-            times[k].append((time.perf_counter() - t0) / args.steps)
+    fns = {k: (lambda m=m, o=o: step(m, o, x, y, 1.0)) for k, (m, o) in models.items()}
+    times = interleaved(fns, args.rounds, args.steps, device)
     tokens = cfg.train.batch_size * cfg.train.seq_len
     med = {k: statistics.median(v) for k, v in times.items()}
     mem = {k: peak_memory_mb(k, args) for k in models}
     out = {
-        "config": args.config, "overrides": args.set, "method": cfg.qk.method, "device": str(device),
-        "threads": torch.get_num_threads(), "batch": cfg.train.batch_size, "seq_len": cfg.train.seq_len,
-        "optimizer": cfg.train.optimizer, "params": sum(p.numel() for p in models["qklab"][0].parameters()),
+        "config": args.config,
+        "overrides": args.set,
+        "method": cfg.qk.method,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "batch": cfg.train.batch_size,
+        "seq_len": cfg.train.seq_len,
+        "optimizer": cfg.train.optimizer,
+        "params": sum(p.numel() for p in models["qklab"][0].parameters()),
         "step_s": {k: round(v, 5) for k, v in med.items()},
         "tokens_per_s": {k: round(tokens / v, 1) for k, v in med.items()},
-        "throughput_ratio_qklab_over_ref": round(med["ref"] / med["qklab"], 4),
+        # paired: the median over rounds of t_ref / t_qklab within the round (see _timing.py)
+        "throughput_ratio_qklab_over_ref": paired_ratio(times["ref"], times["qklab"]),
+        "ratio_of_medians": round(med["ref"] / med["qklab"], 4),
         "peak_memory_mb": {k: round(v, 1) for k, v in mem.items()},
         "memory_ratio_qklab_over_ref": round(mem["qklab"] / mem["ref"], 4),
-        "rounds": args.rounds, "steps_per_round": args.steps,
+        "rounds": args.rounds,
+        "steps_per_round": args.steps,
     }
-    assert math.isfinite(out["throughput_ratio_qklab_over_ref"])
+    assert math.isfinite(out["throughput_ratio_qklab_over_ref"]["median"])
     print(json.dumps(out, indent=2))
 
 

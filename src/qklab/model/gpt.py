@@ -10,6 +10,7 @@ from torch import nn
 
 from qklab.config import ModelConfig, QKConfig
 from qklab.model.attention import Attention, KVCache
+from qklab.model.loss import cross_entropy
 from qklab.model.mla import LatentCache, MLAttention
 from qklab.model.rope import Rope
 
@@ -105,7 +106,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.norm(x))  # (B, T, V)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            loss = cross_entropy(logits.flatten(0, 1), targets.flatten())
         return logits, loss
 
     def make_caches(self, batch: int, max_len: int | None = None,
