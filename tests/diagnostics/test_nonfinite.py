@@ -102,3 +102,18 @@ def test_cli_stops_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1
     assert len(err) == 1 and err[0].startswith("qklab: stopped: non-finite") and "Traceback" not in err[0]
+
+
+def test_skip_resets_the_qkclip_tracker(tmp_path):
+    """The logits of a dropped step must not decide QK-clip's next clip."""
+    t = Trainer(_cfg(tmp_path, "skipclip", "train.nonfinite=skip", "qk.controller=qkclip"), log=lambda s: None)
+    _poison_gradient_at(t, 3)
+    for _ in range(3):
+        t.train_step()
+    assert t.step == 3
+    for b in t.model.blocks:  # popped by the skip: nothing seen since
+        assert torch.isneginf(b.attn.max_logit).all()
+    t.train_step()
+    for b in t.model.blocks:  # step 4 was applied and its tracker consumed by the clip
+        assert torch.isneginf(b.attn.max_logit).all()
+    assert t.controller.metrics()["qkclip_smax"] > 0

@@ -127,6 +127,10 @@ class QKController:
     def after_step(self, step: int) -> None:
         """Called right after optimizer.step()."""
 
+    def skip_step(self, step: int) -> None:
+        """Called instead of before_step/after_step when the trainer drops a non-finite step
+        (train.nonfinite=skip): whatever the controller gathered during it must not carry over."""
+
     def metrics(self) -> dict[str, float]:
         return {}
 

@@ -57,6 +57,10 @@ class QKClip(QKController):
                 gmin = min(gmin, g.min().item())
         self.last = {"qkclip_heads_clipped": clipped, "qkclip_min_gain": gmin, "qkclip_smax": max(smax_all)}
 
+    def skip_step(self, step: int) -> None:
+        for a in self.attns:  # a dropped step's logits must not decide the next clip
+            a.pop_max_logit()
+
     @staticmethod
     @torch.no_grad()
     def rescale(attn, g: torch.Tensor) -> None:

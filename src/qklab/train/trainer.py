@@ -184,6 +184,7 @@ class Trainer:
             self.controller.after_step(self.step)
         else:
             self._nonfinite(loss, gn)  # raises under train.nonfinite=stop; skip: the step is not applied
+            self.controller.skip_step(self.step)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self.step += 1
