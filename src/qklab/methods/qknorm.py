@@ -1,7 +1,9 @@
 """QK-Norm: per-head RMSNorm with a learnable gain on q and k, before RoPE (Qwen3 style).
 
 q_h <- g_q * q_h / rms(q_h),  k_h <- g_k * k_h / rms(k_h); the gains have one entry per head
-coordinate and are shared by all heads, as in Qwen3.
+coordinate and are shared by all heads, as in Qwen3. The gains start at 1 (Qwen3), which bounds the
+initial logits by sqrt(d_head); ``gain_init`` g0 starts them at g0 (bound g0^2 sqrt(d_head)), for
+comparisons at a matched logit range.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ from qklab.methods.base import AttnShape, QKMethod
 @dataclass
 class QKNormOptions:
     eps: float = 1e-6
+    gain_init: float = 1.0  # initial value of every gain entry
+
+    def validate(self) -> None:
+        if self.gain_init <= 0:
+            raise ValueError(f"qk.qknorm.gain_init must be > 0, got {self.gain_init}")
 
 
 class QKNorm(QKMethod):
@@ -38,5 +45,5 @@ class QKNorm(QKMethod):
         return rope(self.q_norm(q), pos), self.k_norm.weight, s.to(k.dtype)
 
     def reset_parameters(self) -> None:
-        self.q_norm.reset_parameters()
-        self.k_norm.reset_parameters()
+        nn.init.constant_(self.q_norm.weight, self.opts.gain_init)
+        nn.init.constant_(self.k_norm.weight, self.opts.gain_init)
