@@ -192,3 +192,10 @@ def test_config_errors(override, needle):
         return
     with pytest.raises(ConfigError, match=needle.replace("*", r"\*")):
         load_config("tiny", sets)
+
+
+def test_default_temperature_is_twice_qknorms_range():
+    """The measured default (docs/qk-map.md): T_h starts at 2 sqrt(d_head)."""
+    m = QKMap(SHAPE, QKMapOptions())
+    m.reset_parameters()
+    torch.testing.assert_close(m.temp.detach(), torch.full((SHAPE.n_heads,), 2 * math.sqrt(SHAPE.head_dim)))

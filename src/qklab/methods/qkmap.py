@@ -45,7 +45,7 @@ class QKMapOptions:
     freq_max: float = 0.0  # ... to freq_max; 0: freq_min * 2^(M-1)
     sharing: str = "head"  # layer | head | coord
     learn_freqs: bool = True
-    temperature: float = 0.0  # initial logit bound T_h ("post"/"polar"); 0: sqrt(d_head), QK-Norm's range
+    temperature: float = 0.0  # initial logit bound T_h ("post"/"polar"); 0: 2 sqrt(d_head) (measured, docs/qk-map.md)
     learn_temperature: bool = True
     rope: str = "after"  # after (on (cos, sin) pairs) | before (RoPE on z, then the map: ablation)
     polar_g: str = "log"  # polar only: identity | log of the norm
@@ -121,7 +121,7 @@ class QKMap(QKMethod):
         grid = torch.linspace(lo, hi, n) if n > 1 else torch.tensor([lo])
         # (d|1, M): for coord sharing, coordinate i gets the i-th block of M grid points
         self.log_freq.copy_(grid.view(self.log_freq.shape[1:]).expand_as(self.log_freq))
-        self.temp.fill_(o.temperature or math.sqrt(self.shape.head_dim))
+        self.temp.fill_(o.temperature or 2.0 * math.sqrt(self.shape.head_dim))
 
     def freqs(self) -> torch.Tensor:
         return self.log_freq.exp()  # (G, d|1, M)
