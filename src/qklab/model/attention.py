@@ -42,6 +42,16 @@ def causal_mask(Tq: int, Tk: int, device: torch.device) -> torch.Tensor:
     return torch.ones(Tq, Tk, dtype=torch.bool, device=device).tril(diagonal=offset)
 
 
+def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool = False) -> torch.Tensor:
+    """Causal fused attention of q (B, H, Tq, F) over the last-Tq-aligned keys k (B, Hk, Tk, F) and v;
+    (B, H, Tq, Dv). A single query (decoding) sees every key, so it needs no mask."""
+    Tq, Tk = q.shape[2], k.shape[2]
+    if Tq == Tk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    mask = None if Tq == 1 else causal_mask(Tq, Tk, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
 @torch.no_grad()
 def head_max_logit(q: torch.Tensor, k: torch.Tensor, scale: float, logits_fn=None, chunk: int = 128) -> torch.Tensor:
     """Per-head max over batch, queries and allowed keys of the pre-softmax logit, (H,), computed in
@@ -121,12 +131,7 @@ class Attention(nn.Module, MaxLogitTracker):
         return self.wo(y)
 
     def sdpa(self, q, k, v, scale: float) -> torch.Tensor:
-        Tq, Tk = q.shape[2], k.shape[2]
-        gqa = self.n_kv_heads != self.n_heads
-        if Tq == Tk:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        mask = None if Tq == 1 else causal_mask(Tq, Tk, q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return sdpa_causal(q, k, v, scale, gqa=self.n_kv_heads != self.n_heads)
 
     def eager(self, q, k, v, scale: float) -> torch.Tensor:
         rep = self.n_heads // self.n_kv_heads

@@ -39,12 +39,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qklab.config import ConfigError
 from qklab.methods import METHODS, AttnShape, QKMethod
-from qklab.model.attention import KVCache, MaxLogitTracker, causal_mask, head_max_logit
+from qklab.model.attention import KVCache, MaxLogitTracker, causal_mask, head_max_logit, sdpa_causal
 from qklab.model.rope import Rope
 
 LATENT_PATHS = ("auto", "absorbed", "materialised")
@@ -239,14 +238,10 @@ class MLAttention(nn.Module, MaxLogitTracker):
     # --- attention on materialised q, k, v ---------------------------------------------------------
     def _attend(self, q, k, v, scale: float) -> torch.Tensor:
         """q (B, H, Tq, F), k (B, H, Tk, F), v (B, H, Tk, Dv) -> (B, H, Tq, Dv)."""
-        Tq, Tk = q.shape[2], k.shape[2]
         if self.tracking:
             self._track(head_max_logit(q, k, scale, self.qk.logits))
         if not self.use_eager:
-            if Tq == Tk:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-            mask = None if Tq == 1 else causal_mask(Tq, Tk, q.device)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            return sdpa_causal(q, k, v, scale)
         p = self._probs((q @ k.transpose(-2, -1)) * scale)  # (B, H, Tq, Tk)
         if self.capture is not None:
             self.capture["q"], self.capture["k"] = q.detach(), k.detach()
