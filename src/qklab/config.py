@@ -88,6 +88,7 @@ class TrainConfig:
     name: str = ""  # run directory name under out_dir; "" -> derived from preset, method and seed
     out_dir: str = "runs"
     seed: int = 0
+    data_seed: int = -1  # order of the training batches; -1: train.seed (a study fixes it across cells)
     steps: int = 200
     batch_size: int = 16
     seq_len: int = 256
@@ -167,6 +168,7 @@ class RunConfig:
         _check(t.seq_len <= m.max_seq_len,
                f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise max_seq_len")
         _check(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+        _check(t.data_seed >= -1, f"train.data_seed={t.data_seed}: use -1 (follow train.seed) or a seed >= 0")
         _check(t.diag_every >= 0 and t.diag_batch > 0, "train.diag_every must be >= 0 (0: off), train.diag_batch > 0")
         _check(t.nonfinite in ("stop", "skip"), f"train.nonfinite='{t.nonfinite}': use stop or skip")
         try:

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from .config import DataConfig, DataError
 from .sources import Document, load_documents
-from .split import content_sha256, split_documents
+from .split import content_sha256, heldout_parts, split_documents
 from .tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 
 CACHE_FORMAT = "v1"  # bump when the layout of cached files changes
@@ -42,6 +42,18 @@ class PreparedData:
     def val_tokens(self) -> np.ndarray:
         """Read-only memmap of shape (n_val_tokens,), dtype uint16."""
         return np.memmap(self.val_path, dtype=TOKEN_DTYPE, mode="r")
+
+    def select_tokens(self) -> np.ndarray:
+        """The selection part of the held-out tokens (first half, cut at a document boundary): the
+        validation loss logged during training, and the split hyperparameters are chosen on."""
+        val = self.val_tokens()
+        return val[heldout_parts(val, self.eot_id)[0]]
+
+    def report_tokens(self) -> np.ndarray:
+        """The report part of the held-out tokens (second half): read once at the end of a run, for the
+        numbers a study reports; nothing is chosen on it."""
+        val = self.val_tokens()
+        return val[heldout_parts(val, self.eot_id)[1]]
 
 
 def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print) -> PreparedData:

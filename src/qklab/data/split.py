@@ -70,3 +70,23 @@ def _split_single(doc: Document, val_fraction: float) -> Split:
         return Document(f"{doc.relpath}#{suffix}", body, len(body.encode("utf-8")))
 
     return Split(train=[part("train", head)], val=[part("val", tail)])
+
+
+def heldout_parts(tokens, eot_id: int) -> tuple[slice, slice]:
+    """Cut the held-out token stream into a *selection* part and a *report* part.
+
+    The cut is the document boundary (the position just after an ``eot_id``) nearest the middle, so no
+    document is in both parts; a stream with no boundary is cut at the middle. Hyperparameters (the
+    learning rate of each method) are chosen on the selection part and results are read off the report
+    part, so the numbers a study reports were never used to pick anything. Returns two slices of tokens.
+    """
+    import numpy as np
+
+    n = len(tokens)
+    if n < 2:
+        raise ValueError(f"held-out split has {n} tokens; it needs at least 2 to cut into selection and report")
+    mid = n // 2
+    ends = np.flatnonzero(np.asarray(tokens) == eot_id) + 1  # a document ends after its eot
+    ends = ends[(ends > 0) & (ends < n)]
+    cut = int(ends[np.argmin(np.abs(ends - mid))]) if ends.size else mid
+    return slice(0, cut), slice(cut, n)

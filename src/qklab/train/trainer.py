@@ -108,8 +108,13 @@ class Trainer:
         self.model = GPT(cfg.model, cfg.qk).to(self.device)
         self.optimizers = build_optimizer(self.model, t)
         self.controller = CONTROLLERS[cfg.qk.controller](self.model, self.optimizers, cfg.qk.opts(cfg.qk.controller))
-        self.loader = TokenLoader(self.data.train_tokens(), t.batch_size, t.seq_len, seed=t.seed)
-        self.val_batches = TokenLoader.eval_batches(self.data.val_tokens(), t.batch_size, t.seq_len, t.eval_batches)
+        data_seed = t.seed if t.data_seed < 0 else t.data_seed  # a study fixes it: same tokens in every cell
+        self.loader = TokenLoader(self.data.train_tokens(), t.batch_size, t.seq_len, seed=data_seed)
+        # val_loss: the selection part of the held-out text; report_loss (final step only): the report part
+        self.val_batches = TokenLoader.eval_batches(self.data.select_tokens(), t.batch_size, t.seq_len,
+                                                    t.eval_batches, name="selection (held-out)")
+        self.report_batches = TokenLoader.eval_batches(self.data.report_tokens(), t.batch_size, t.seq_len,
+                                                       t.eval_batches, name="report (held-out)")
         self.fwd = torch.compile(self.model) if t.compile else self.model
         self.monitor = (AttentionMonitor.from_tokens(self.data.val_tokens(), t.diag_batch, t.seq_len)
                         if t.diag_every else None)  # attention diagnostics; None: off
@@ -239,6 +244,8 @@ class Trainer:
                 if self.step % t.eval_every == 0 or self.step == t.steps:
                     last = self.evaluate()
                     rec.update(last)
+                    if self.step == t.steps:  # the report split is read once, at the end
+                        rec["report_loss"] = eval_loss(self.model, self.report_batches, self.device, self.autocast)
                     bar.write(f"step {self.step}: val_loss {last['val_loss']:.4f}  max_logit {last['max_logit']:.2f}")
                 if self.monitor is not None and self.step % t.diag_every == 0:
                     rec["diag"] = self.monitor.measure(self.model, self.step)
