@@ -47,10 +47,13 @@ def test_feature_norm_is_fixed_for_any_input(opts, dtype):
         torch.testing.assert_close(f.norm(dim=-1), torch.full(f.shape[:-1], want), atol=tol * want, rtol=0)
 
 
-def test_input_variant_features_have_unit_norm():
+def test_input_variant_features_have_unit_rms():
+    """Input features sqrt(2) [cos | sin] have RMS exactly 1, like the normalised x they replace."""
     m = QKMap(SHAPE, VARIANTS["input"])
     for x in [torch.zeros(2, 5, 64), torch.full((2, 5, 64), 1e6), torch.randn(2, 5, 64)]:
-        torch.testing.assert_close(m.map_input(x).norm(dim=-1), torch.ones(2, 5))
+        f = m.map_input(x)
+        assert f.shape[-1] == 2 * 64
+        torch.testing.assert_close(f.pow(2).mean(dim=-1).sqrt(), torch.ones(2, 5))
 
 
 @pytest.mark.parametrize("name", ["post-M1", "post-M2", "expanded", "coord", "polar", "rope-before"])
@@ -60,7 +63,7 @@ def test_logits_within_temperature_bound(name):
         for b in model.blocks:  # push weights and temperatures far from init
             b.attn.wq.weight.mul_(300.0)
             b.attn.wk.weight.normal_(0, 50.0)
-            b.attn.qk.temp.copy_(torch.tensor([3.0, -2.0, 7.0, 0.5]))
+            b.attn.qk.log_temp.copy_(torch.tensor([3.0, 2.0, 7.0, 0.5]).log())
         attn = model.blocks[0].attn
         attn.capture = {}
         model(torch.randint(0, 97, (2, 30)))
@@ -74,7 +77,7 @@ def test_post_logit_equals_direct_formula():
     """At position 0 (RoPE = identity) s = T_h * mean_{i,m} cos(w_m (q_i - k_i))."""
     m = QKMap(SHAPE, QKMapOptions(n_freqs=2, proj_dim=6, freq_min=0.3, freq_max=1.7))
     with torch.no_grad():
-        m.temp.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        m.log_temp.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]).log())
         m.log_freq.copy_(torch.log(torch.tensor([[[0.3, 1.7]], [[0.9, 2.5]]])))  # (G=2, 1, M=2)
     q, k = torch.randn(1, 4, 1, 6) * 3, torch.randn(1, 2, 1, 6) * 3
     fq, fk = m.map_qk(q, k, Rope(8, 10000.0), 0)
@@ -173,7 +176,7 @@ def test_bf16_autocast_and_compile_match_fp32():
 
 def test_frozen_and_learnable_parameters():
     frozen = QKMap(SHAPE, VARIANTS["frozen"])
-    assert not frozen.log_freq.requires_grad and not frozen.temp.requires_grad
+    assert not frozen.log_freq.requires_grad and not frozen.log_temp.requires_grad
     m = QKMap(SHAPE, VARIANTS["coord"])
     assert m.log_freq.shape == (2, 8, 1)
     w = m.freqs()[0, :, 0]
@@ -198,4 +201,105 @@ def test_default_temperature_is_twice_qknorms_range():
     """The measured default (docs/qk-map.md): T_h starts at 2 sqrt(d_head)."""
     m = QKMap(SHAPE, QKMapOptions())
     m.reset_parameters()
-    torch.testing.assert_close(m.temp.detach(), torch.full((SHAPE.n_heads,), 2 * math.sqrt(SHAPE.head_dim)))
+    torch.testing.assert_close(m.temperature().detach(), torch.full((SHAPE.n_heads,), 2 * math.sqrt(SHAPE.head_dim)))
+
+
+# --- every option combination: runs, or is refused in one line --------------------------------------
+
+REFUSED = {("input", "head"), ("input", "coord"), ("polar", "coord")}  # (variant, sharing)
+
+
+def _combos():
+    for variant in ("post", "input", "polar"):
+        for sharing in ("auto", "layer", "head", "coord"):
+            for rope in ("after", "before"):
+                for g in (("identity", "log") if variant == "polar" else ("log",)):
+                    for M in (1, 2):
+                        yield variant, sharing, rope, g, M
+
+
+def _refused(variant, sharing, rope):
+    return (variant, sharing) in REFUSED or (variant == "input" and rope == "before")
+
+
+def test_every_accepted_combination_runs_forward_backward_and_decode():
+    torch.manual_seed(0)
+    x = torch.randint(0, 97, (2, 10))
+    accepted = 0
+    for variant, sharing, rope, g, M in _combos():
+        sets = ["qk.method=qkmap", f"qk.qkmap.variant={variant}", f"qk.qkmap.sharing={sharing}",
+                f"qk.qkmap.rope={rope}", f"qk.qkmap.polar_g={g}", f"qk.qkmap.n_freqs={M}",
+                "model.n_kv_heads=2", "model.n_layers=1"]
+        if _refused(variant, sharing, rope):
+            with pytest.raises(ConfigError) as err:
+                load_config("tiny", sets)
+            assert "\n" not in str(err.value) and "qk.qkmap." in str(err.value)
+            with pytest.raises(ValueError):  # also refused when built directly
+                QKMap(SHAPE, QKMapOptions(variant=variant, sharing=sharing, rope=rope, n_freqs=M))
+            continue
+        cfg = load_config("tiny", sets)
+        model = GPT(ModelConfig(**{**cfg.model.__dict__, "vocab_size": 97}), cfg.qk)
+        _, loss = model(x, x)
+        loss.backward()
+        qk = model.blocks[0].attn.qk
+        assert torch.isfinite(loss) and qk.log_freq.grad is not None and torch.isfinite(qk.log_freq.grad).all()
+        if variant != "input":
+            assert qk.log_temp.grad is not None and torch.isfinite(qk.log_temp.grad).all()
+        model.eval()
+        with torch.no_grad():
+            full, _ = model(x)
+            caches = model.make_caches(2, 10)
+            parts = [model(x[:, :4], caches=caches)[0]] + [model(x[:, t : t + 1], caches=caches)[0] for t in range(4, 10)]
+        torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=1e-5)
+        accepted += 1
+    assert accepted == 44  # post 16, input 4, polar 24
+
+
+@pytest.mark.parametrize("variant, sharing, groups", [
+    ("post", "auto", 2), ("polar", "auto", 2), ("input", "auto", 1), ("post", "layer", 1), ("polar", "head", 2),
+])
+def test_sharing_auto_and_explicit_frequency_sets(variant, sharing, groups):
+    m = QKMap(SHAPE, QKMapOptions(variant=variant, sharing=sharing))
+    assert m.log_freq.shape[0] == groups
+
+
+# --- the log-parameterised temperature --------------------------------------------------------------
+
+def test_log_temperature_is_positive_and_its_gradient_is_the_logit():
+    """T_h = exp(log_temp_h) > 0 for any parameter value, and d s / d log T_h = s (s = T_h mean cos)."""
+    m = QKMap(SHAPE, QKMapOptions())
+    with torch.no_grad():
+        m.log_temp.copy_(torch.tensor([-30.0, -1.0, 0.5, 4.0]))
+    assert (m.temperature() > 0).all()
+    q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 1, 8)
+    fq, fk = m.map_qk(q, k, Rope(8, 10000.0), 0)
+    s = (fq * fk.repeat_interleave(2, dim=1)).sum(-1).flatten()  # (H,) logits at position 0
+    (grad,) = torch.autograd.grad(s.sum(), m.log_temp)
+    torch.testing.assert_close(grad, s.detach(), atol=1e-6, rtol=1e-5)
+
+
+# --- the stability signals --------------------------------------------------------------------------
+
+def test_stats_against_direct_formulas():
+    m = QKMap(SHAPE, QKMapOptions(n_freqs=2, proj_dim=4, freq_min=0.5, freq_max=4.0))
+    m.record = True
+    q, k = torch.randn(3, 4, 50, 4) * 2.0, torch.randn(3, 2, 50, 4) + 1.0
+    m.map_qk(q, k, Rope(64, 10000.0), 0)
+    st = m.stats()
+    w = torch.tensor([0.5, 4.0])
+    kk = k.repeat_interleave(2, dim=1)
+    for h in range(4):
+        qs = q[:, h].reshape(-1, 4)
+        ks = kk[:, h].reshape(-1, 4)
+        std_q = qs.std(dim=0, correction=0)  # (d,)
+        want_wstd = max((wm * std_q).mean().item() for wm in w)
+        assert st["w_std"][h] == pytest.approx(want_wstd, rel=1e-4)
+        # rms of q_i - k_i over all independent pairs (every query row against every key row)
+        diff = (qs.unsqueeze(1) - ks.unsqueeze(0)).reshape(-1, 4)
+        rms = diff.pow(2).mean(dim=0).sqrt()
+        assert st["phase_spread"][h] == pytest.approx(max((wm * rms).mean().item() for wm in w), rel=1e-4)
+        assert st["aliased"][h] == pytest.approx(torch.stack([wm * rms > math.pi for wm in w]).float().mean().item())
+        assert st["q_norm"][h] == pytest.approx(q[:, h].norm(dim=-1).mean().item(), rel=1e-5)
+        assert st["k_norm"][h] == pytest.approx(kk[:, h].norm(dim=-1).mean().item(), rel=1e-5)
+    assert st["temperature"] == pytest.approx([2 * math.sqrt(16)] * 4)
+    assert 0 < st["aliased"][0] < 1  # the 4.0 frequency wraps, the 0.5 one does not

@@ -68,3 +68,34 @@ def test_adamw_update_matches_direct_formula():
     m, v = 0.1 * g, 0.05 * g * g
     want = w0 * (1 - 1e-2 * 0.1) - 1e-2 * (m / 0.1) / ((v / 0.05).sqrt() + 1e-8)
     torch.testing.assert_close(w.detach(), want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_qkmap_parameters_get_their_own_group(optimizer):
+    """log_freq and log_temp: one AdamW group, no weight decay, lr_mult times the AdamW rate."""
+    from qklab.config import ModelConfig, QKConfig
+    from qklab.methods.qkmap import QKMapOptions
+    from qklab.model import GPT
+
+    model = GPT(ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, max_seq_len=64),
+                QKConfig(method="qkmap", options={"qkmap": QKMapOptions(lr_mult=4.0)}))
+    opts = build_optimizer(model, TrainConfig(optimizer=optimizer, lr=0.02, adam_lr=1e-3, weight_decay=0.1))
+    groups = {g["name"]: g for o in opts for g in o.param_groups}
+    own = groups["qk_map"]
+    want = {n for n, _ in model.named_parameters() if n.endswith(("qk.log_freq", "qk.log_temp"))}
+    assert set(own["param_names"]) == want and len(want) == 4
+    adam_lr = 0.02 if optimizer == "adamw" else 1e-3
+    assert own["weight_decay"] == 0.0 and own["lr"] == pytest.approx(4.0 * adam_lr)
+    others = {n for name, g in groups.items() if name != "qk_map" for n in g["param_names"]}
+    assert others.isdisjoint(want) and len(others) + len(want) == len(list(model.parameters()))
+    # one step with zero gradients: decayed matrices shrink, the map's parameters stay put (no decay)
+    lt0, wq0 = model.blocks[0].attn.qk.log_temp.detach().clone(), model.blocks[0].attn.wq.weight.detach().clone()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    for o in opts:
+        o.step()
+    assert torch.equal(model.blocks[0].attn.qk.log_temp, lt0)
+    assert not torch.equal(model.blocks[0].attn.wq.weight, wq0)
+    # schedule: the group keeps its multiplier
+    set_lr(opts, 0.5)
+    assert own["lr"] == pytest.approx(0.5 * 4.0 * adam_lr)

@@ -103,6 +103,12 @@ class QKMethod(nn.Module):
         registered method. The default (keys only rotated): RoPE(q), 1, 1."""
         return rope(q, pos), None, None
 
+    def param_group(self) -> tuple[str, float] | None:
+        """None: the method's own parameters join the model's groups by shape (norm gains: no decay).
+        (name, mult): they form their own optimizer group ``name``, without weight decay, at ``mult``
+        times the base rate (``qklab.train.optim.build_optimizer``)."""
+        return None
+
     def reset_parameters(self) -> None:
         """Initialise the method's own parameters (called from GPT.init_weights)."""
 

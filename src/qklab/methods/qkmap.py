@@ -20,6 +20,15 @@ phi(z) = (z / ||z||) (x) [cos(w_m g(||z||)), sin(w_m g(||z||))] with g = identit
 
 Frequencies w > 0 are stored as log w: one set per layer, per KV head, or per KV head and coordinate
 (``sharing``); a query head uses the frequencies of its KV head so that q and k share one spectrum.
+The temperature is stored as log T_h, so it stays positive and moves by a relative amount per step.
+Both live in their own optimizer group (``param_group``): no weight decay, rate ``lr_mult`` times the
+base rate (``qklab.train.optim``).
+
+Init rule (``docs/qk-map.md`` lists the measured starting logit statistics of each variant):
+* post/polar: W_Q/W_K ~ N(0, 1/fan_in), so each z_i has std ~1 on RMS-normalised input and the phase
+  w * z_i has std ~w; frequencies on a log grid from ``freq_min``; T_h = ``temperature``.
+* input: features sqrt(2) [cos(w x) | sin(w x)] have RMS exactly 1, like the normalised hidden state
+  they replace, and W_Q/W_K start at the model's init_std, so the logits start as standard attention's.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from torch import nn
 from qklab.methods.base import AttnShape, QKMethod
 
 VARIANTS = ("post", "input", "polar")
-SHARING = ("layer", "head", "coord")
+SHARING = ("auto", "layer", "head", "coord")
 
 
 @dataclass
@@ -43,13 +52,14 @@ class QKMapOptions:
     proj_dim: int = 0  # d' per head (post/polar); 0: compute-matched, 2 M d' = d_head
     freq_min: float = 0.5  # frequencies start on a log grid from freq_min ...
     freq_max: float = 0.0  # ... to freq_max; 0: freq_min * 2^(M-1)
-    sharing: str = "head"  # layer | head | coord
+    sharing: str = "auto"  # auto (head; layer for input) | layer | head | coord (post only)
     learn_freqs: bool = True
-    temperature: float = 0.0  # initial logit bound T_h ("post"/"polar"); 0: 2 sqrt(d_head) (measured, docs/qk-map.md)
-    learn_temperature: bool = True
+    temperature: float = 0.0  # initial logit bound T_h > 0 ("post"/"polar"); 0: 2 sqrt(d_head) (docs/qk-map.md)
+    learn_temperature: bool = True  # learnt as log T_h
+    lr_mult: float = 10.0  # rate of log_freq and log_temp relative to the base rate (no weight decay)
     rope: str = "after"  # after (on (cos, sin) pairs) | before (RoPE on z, then the map: ablation)
     polar_g: str = "log"  # polar only: identity | log of the norm
-    qk_init_std: float = 0.0  # std of W_Q/W_K at init; 0: 1/sqrt(fan_in), so that w * std(z) ~ w
+    qk_init_std: float = 0.0  # std of W_Q/W_K at init; 0: post/polar 1/sqrt(fan_in) (w * std(z) ~ w), input init_std
 
     def validate(self) -> None:
         if self.variant not in VARIANTS:
@@ -62,8 +72,22 @@ class QKMapOptions:
             raise ValueError(f"qk.qkmap.polar_g='{self.polar_g}': use identity or log")
         if self.n_freqs < 1 or self.proj_dim < 0 or self.freq_min <= 0 or self.freq_max < 0:
             raise ValueError("qk.qkmap: n_freqs must be >= 1, proj_dim >= 0, freq_min > 0, freq_max >= 0")
-        if self.variant == "input" and self.sharing == "coord":
-            raise ValueError("qk.qkmap.sharing=coord needs variant post or polar (input has no heads yet)")
+        if self.temperature < 0 or self.lr_mult < 0 or self.qk_init_std < 0:
+            raise ValueError("qk.qkmap: temperature (0: default), lr_mult and qk_init_std must be >= 0")
+        if self.variant == "input" and self.sharing in ("head", "coord"):
+            raise ValueError(f"qk.qkmap.sharing={self.sharing} needs variant post or polar (input maps x before "
+                             "the heads exist); use sharing=layer or auto")
+        if self.variant == "polar" and self.sharing == "coord":
+            raise ValueError("qk.qkmap.sharing=coord needs variant post (polar has one magnitude phase per head, "
+                             "no per-coordinate phases); use sharing=head or layer")
+        if self.variant == "input" and self.rope == "before":
+            raise ValueError("qk.qkmap.rope=before needs variant post or polar (input maps x, before any RoPE)")
+
+    def groups_mode(self) -> str:
+        """The effective sharing: auto is per head, or per layer for the input variant."""
+        if self.sharing == "auto":
+            return "layer" if self.variant == "input" else "head"
+        return self.sharing
 
 
 def periodic(z: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -89,12 +113,15 @@ class QKMap(QKMethod):
                                  "set qk.qkmap.proj_dim or n_freqs")
         if opts.rope == "before" and self.d % 2:
             raise ValueError(f"qk.qkmap.rope=before needs an even proj_dim, got {self.d}")
-        groups = {"layer": 1, "head": shape.n_kv_heads, "coord": shape.n_kv_heads}[opts.sharing]
-        if opts.variant == "input":  # the map acts before the heads exist: one set for the layer
-            groups = 1
-        coords = self.d if opts.sharing == "coord" else 1
+        opts.validate()  # refuse combinations that cannot run, also when built outside RunConfig
+        sharing = opts.groups_mode()
+        groups = {"layer": 1, "head": shape.n_kv_heads, "coord": shape.n_kv_heads}[sharing]
+        coords = self.d if sharing == "coord" else 1
         self.log_freq = nn.Parameter(torch.zeros(groups, coords, M), requires_grad=opts.learn_freqs)  # (G, d|1, M)
-        self.temp = nn.Parameter(torch.zeros(shape.n_heads), requires_grad=opts.learn_temperature)  # (H,)
+        learn_t = opts.learn_temperature and opts.variant != "input"  # input uses the 1/sqrt(d) scale, no T_h
+        self.log_temp = nn.Parameter(torch.zeros(shape.n_heads), requires_grad=learn_t)  # (H,): log T_h
+        self.record = False  # True: map_qk keeps the pre-map statistics that stats() reports
+        self._seen: dict[str, torch.Tensor] = {}
         self.reset_parameters()
 
     # --- shapes -----------------------------------------------------------------------------------
@@ -110,7 +137,13 @@ class QKMap(QKMethod):
         return 2 * self.opts.n_freqs * self.shape.d_model if self.opts.variant == "input" else self.shape.d_model
 
     def qk_init_std(self, default: float) -> float:
-        return self.opts.qk_init_std or 1.0 / math.sqrt(self.qk_in_dim())
+        if self.opts.qk_init_std:
+            return self.opts.qk_init_std
+        return default if self.opts.variant == "input" else 1.0 / math.sqrt(self.qk_in_dim())
+
+    def param_group(self) -> tuple[str, float] | None:
+        """The optimizer group of the map's own parameters: (name, rate multiplier), no weight decay."""
+        return "qk_map", self.opts.lr_mult
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -121,17 +154,22 @@ class QKMap(QKMethod):
         grid = torch.linspace(lo, hi, n) if n > 1 else torch.tensor([lo])
         # (d|1, M): for coord sharing, coordinate i gets the i-th block of M grid points
         self.log_freq.copy_(grid.view(self.log_freq.shape[1:]).expand_as(self.log_freq))
-        self.temp.fill_(o.temperature or 2.0 * math.sqrt(self.shape.head_dim))
+        self.log_temp.fill_(math.log(o.temperature or 2.0 * math.sqrt(self.shape.head_dim)))
 
     def freqs(self) -> torch.Tensor:
         return self.log_freq.exp()  # (G, d|1, M)
+
+    def temperature(self) -> torch.Tensor:
+        return self.log_temp.exp()  # (H,): the logit bound T_h
 
     # --- the map ----------------------------------------------------------------------------------
     def map_input(self, x: torch.Tensor) -> torch.Tensor:
         if self.opts.variant != "input":
             return x
+        if self.record:
+            self._keep(x.unsqueeze(1), x.unsqueeze(1))  # one "head": the phases are w * x_c
         w = self.freqs()[0]  # (1, M): shared by all heads
-        feats = periodic(x, w) / math.sqrt(self.opts.n_freqs * self.d)  # (B, T, 2 M C), norm 1
+        feats = periodic(x, w) * math.sqrt(2.0)  # (B, T, 2 M C), RMS exactly 1
         return feats.to(x.dtype)
 
     def _phi(self, z: torch.Tensor) -> torch.Tensor:
@@ -158,9 +196,11 @@ class QKMap(QKMethod):
             return rope(q, pos), rope(k, pos)
         if self.opts.rope == "before":
             q, k = rope(q, pos), rope(k, pos)
+        if self.record:
+            self._keep(q, k)
         # ||phi||^2: M d' unit pairs (post), or a unit direction times M unit pairs (polar)
         norm2 = self.feature_dim() // 2 if self.opts.variant == "post" else self.opts.n_freqs
-        fq = self._phi(q) * (self.temp.view(1, -1, 1, 1) / norm2)  # (B, H, T, F): |logit| <= |T_h|
+        fq = self._phi(q) * (self.temperature().view(1, -1, 1, 1) / norm2)  # (B, H, T, F): |logit| <= T_h
         fk = self._phi(k)  # (B, Hkv, T, F)
         if self.opts.rope == "after":
             fq, fk = rope(fq, pos), rope(fk, pos)
@@ -168,3 +208,49 @@ class QKMap(QKMethod):
 
     def scale(self, feature_dim: int) -> float:
         return 1.0 / math.sqrt(feature_dim) if self.opts.variant == "input" else 1.0
+
+    # --- stability signals ------------------------------------------------------------------------
+    @torch.no_grad()
+    def _keep(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Per-head moments of what the frequencies multiply (q, k: (B, Hz, T, d)): the coordinates
+        (post, input) or g(||z||) (polar), and the pre-map norms."""
+        def phase_var(z):
+            z = z.float()
+            if self.opts.variant == "polar":
+                r = z.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+                return r.log() if self.opts.polar_g == "log" else r  # (B, Hz, T, 1)
+            return z
+        pq, pk = phase_var(q), phase_var(k)
+        self._seen = {"q_mean": pq.mean(dim=(0, 2)), "q_var": pq.var(dim=(0, 2), correction=0),  # (Hz, d|1)
+                      "k_mean": pk.mean(dim=(0, 2)), "k_var": pk.var(dim=(0, 2), correction=0),
+                      "q_norm": q.float().norm(dim=-1).mean(dim=(0, 2)), "k_norm": k.float().norm(dim=-1).mean(dim=(0, 2))}
+
+    @torch.no_grad()
+    def stats(self) -> dict[str, list[float]]:
+        """Per query head (one entry per layer for ``input``), from the last forward with ``record`` on:
+
+        * ``w_std``: max_m mean_i w_m std(z_i), the phase scale of the queries (about 1 or below: the
+          logit is close to a dot product; well above: the frequency gradient, which grows with q - k,
+          gets large);
+        * ``phase_spread``: max_m mean_i w_m rms(q_i - k_i) over independent (query, key) pairs with the
+          head's key head;
+        * ``aliased``: share of (i, m) with w_m rms(q_i - k_i) > pi (phases that wrap: aliasing);
+        * ``q_norm``, ``k_norm``: mean pre-map ||q||, ||k|| (the magnitude signal; post-map norms are
+          constant by design); ``temperature``: T_h.
+        Empty before a recorded forward."""
+        if not self._seen:
+            return {}
+        s = self._seen
+        Hq, Hk = s["q_mean"].shape[0], s["k_mean"].shape[0]
+        rep = lambda t: t.repeat_interleave(Hq // Hk, dim=0)  # noqa: E731 -- key head of each query head
+        w = self.freqs().detach()  # (G, d|1, M)
+        w = w.repeat_interleave(Hq // w.shape[0], dim=0) if w.shape[0] > 1 else w.expand(Hq, *w.shape[1:])
+        w_std = (w * s["q_var"].sqrt().unsqueeze(-1)).mean(dim=1).amax(dim=-1)  # (Hq,)
+        rms = (s["q_var"] + rep(s["k_var"]) + (s["q_mean"] - rep(s["k_mean"])) ** 2).sqrt()  # (Hq, d|1)
+        ph = w * rms.unsqueeze(-1)  # (Hq, d|1, M)
+        out = {"w_std": w_std, "phase_spread": ph.mean(dim=1).amax(dim=-1),
+               "aliased": (ph > math.pi).float().flatten(1).mean(dim=1),
+               "q_norm": s["q_norm"], "k_norm": rep(s["k_norm"])}
+        if self.opts.variant != "input":
+            out["temperature"] = self.temperature().detach()
+        return {k: v.tolist() for k, v in out.items()}

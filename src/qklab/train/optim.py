@@ -21,10 +21,32 @@ def hidden_matrix_names(model: nn.Module) -> set[str]:
     return {n for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")}
 
 
+def method_groups(model: nn.Module) -> dict[str, tuple[float, list[tuple[str, nn.Parameter]]]]:
+    """Parameters of QK methods that ask for their own group (``QKMethod.param_group``):
+    group name -> (rate multiplier, [(name, parameter)])."""
+    out: dict[str, tuple[float, list[tuple[str, nn.Parameter]]]] = {}
+    for mod_name, mod in model.named_modules():
+        ask = getattr(mod, "param_group", None)
+        spec = ask() if callable(ask) and mod_name.endswith(".qk") else None
+        if spec is None:
+            continue
+        name, mult = spec
+        named = [(f"{mod_name}.{n}", p) for n, p in mod.named_parameters(recurse=False)]
+        prev = out.setdefault(name, (mult, []))
+        if prev[0] != mult:
+            raise ValueError(f"optimizer group '{name}' asked for two rate multipliers ({prev[0]}, {mult})")
+        prev[1].extend(named)
+    return out
+
+
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Optimizer]:
-    """One optimizer (AdamW) or two (Muon for hidden matrices + AdamW for the rest)."""
+    """One optimizer (AdamW) or two (Muon for hidden matrices + AdamW for the rest). QK-method
+    parameters that ask for it (QK-MAP's frequencies and temperature) get an AdamW group of their own:
+    no weight decay, their method's rate multiplier."""
     hidden = hidden_matrix_names(model)
-    params = dict(model.named_parameters())  # shared (tied) weights appear once
+    own = method_groups(model)
+    taken = {n for _, named in own.values() for n, _ in named}
+    params = {n: p for n, p in model.named_parameters() if n not in taken}  # shared (tied) weights appear once
     matrices = [(n, p) for n, p in params.items() if p.ndim >= 2]
     others = [(n, p) for n, p in params.items() if p.ndim < 2]
     betas = (cfg.beta1, cfg.beta2)
@@ -32,6 +54,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Opti
         groups = [
             _group("decay", matrices, cfg.lr, cfg.weight_decay),
             _group("no_decay", others, cfg.lr, 0.0),
+            *(_group(name, named, cfg.lr * mult, 0.0) for name, (mult, named) in own.items()),
         ]
         return [_adamw([g for g in groups if g["params"]], cfg.lr, betas)]
     adam_lr = cfg.adam_lr or cfg.lr
@@ -42,7 +65,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Opti
         lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, adjust_lr_fn="match_rms_adamw",
     )
     adam_groups = [_group("adam_decay", adam_matrices, adam_lr, cfg.weight_decay),
-                   _group("no_decay", others, adam_lr, 0.0)]
+                   _group("no_decay", others, adam_lr, 0.0),
+                   *(_group(name, named, adam_lr * mult, 0.0) for name, (mult, named) in own.items())]
     return [muon, _adamw([g for g in adam_groups if g["params"]], adam_lr, betas)]
 
 
