@@ -303,3 +303,38 @@ def test_stats_against_direct_formulas():
         assert st["k_norm"][h] == pytest.approx(kk[:, h].norm(dim=-1).mean().item(), rel=1e-5)
     assert st["temperature"] == pytest.approx([2 * math.sqrt(16)] * 4)
     assert 0 < st["aliased"][0] < 1  # the 4.0 frequency wraps, the 0.5 one does not
+
+
+# --- starting logit statistics, against the values documented in docs/qk-map.md ---------------------
+
+# layer 0 of the `small` shape at init (benchmarks/qkmap_init.py --config small, held-out text):
+# (std of all causal logits, mean per-row std across keys)
+DOCUMENTED_INIT = {
+    "none": (0.076, 0.074, []),
+    "qknorm": (1.00, 0.98, ["qk.method=qknorm"]),
+    "qkmap-post": (1.75, 1.56, ["qk.method=qkmap"]),
+    "qkmap-post-T1": (0.87, 0.78, ["qk.method=qkmap", "qk.qkmap.temperature=5.65685"]),
+    "qkmap-polar": (2.35, 2.33, ["qk.method=qkmap", "qk.qkmap.variant=polar"]),
+    "qkmap-input": (0.14, 0.108, ["qk.method=qkmap", "qk.qkmap.variant=input"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTED_INIT))
+def test_initial_logit_statistics_match_documented_values(name):
+    """At init a layer-0 logit depends on the text only through which tokens repeat, so random tokens
+    reproduce the documented (held-out text) figures; the tolerance covers that and the sampling."""
+    want_std, want_row, sets = DOCUMENTED_INIT[name]
+    cfg = load_config("small", [*sets, "model.n_layers=1"])
+    cfg.model.vocab_size = 4096
+    model = GPT(cfg.model, cfg.qk).eval()
+    attn = model.blocks[0].attn
+    idx = torch.randint(0, 4096, (2, 256))
+    attn.capture = {}
+    with torch.no_grad():
+        model(idx)
+    s = attn.capture["logits"][0]  # (H, T, T), first sequence
+    rows = [s[:, t, : t + 1] for t in range(1, 256)]  # causal keys of each query row
+    pooled = torch.cat([r.flatten() for r in [s[:, 0, :1], *rows]])
+    row_std = torch.stack([r.std(dim=-1, correction=0) for r in rows]).mean()
+    assert pooled.std().item() == pytest.approx(want_std, rel=0.25)
+    assert row_std.item() == pytest.approx(want_row, rel=0.1)
