@@ -1,0 +1,130 @@
+"""qklab inside transformers' attention: the attention function and mask registered as ``"qklab"``, and the
+attention forward that runs a ``QKMethod`` on Llama-style layers.
+
+* ``qklab_attention`` is registered with ``AttentionInterface`` and its mask (an additive float mask,
+  ``eager_mask``) with ``AttentionMaskInterface``, both under the name ``"qklab"``. It reads the layer's
+  ``qk_method`` (logit rewrite, e.g. soft-capping) and ``qk_layer`` (a per-head max-logit tracker), and
+  runs fused SDPA when neither needs the logits.
+* ``QKAttentionMixin.forward`` replaces the forward of Llama/Mistral/Qwen2/Qwen3 attention (the module's
+  class is swapped for a subclass; its weights and their names stay): q and k come from the projections
+  as ``(B, H, T, d')``, go through the method's ``map_input``/``map_qk`` exactly as in qklab's own
+  attention (RoPE from the model's rotary embedding), then the cache and the attention function.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qklab.model.attention import MaxLogitTracker
+
+NAME = "qklab"
+
+
+class HFRope:
+    """qklab's ``Rope`` interface over transformers' precomputed tables: cos, sin (B, T, D) for the
+    positions of this forward (left padding and the cache offset are already in them), rotate-half layout."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos, self.sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D)
+
+    def __call__(self, x: torch.Tensor, pos: int = 0) -> torch.Tensor:
+        if x.shape[-1] != self.cos.shape[-1]:
+            raise ValueError(f"q/k feature width {x.shape[-1]} differs from the model's RoPE width "
+                             f"{self.cos.shape[-1]}; choose method options that keep head_dim")
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * self.cos.to(x.dtype) + torch.cat([-x2, x1], dim=-1) * self.sin.to(x.dtype)
+
+
+class LayerTracker(MaxLogitTracker):
+    """Per-head running max of the pre-softmax logit of one transformers attention module, over its
+    training-mode forwards while ``track_max_logit`` is on (QK-clip, the callback's max-logit log)."""
+
+    def __init__(self, module: nn.Module, n_heads: int) -> None:
+        self.module = module
+        self.init_tracker(n_heads)
+
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
+    def observe(self, s: torch.Tensor, allowed: torch.Tensor | None) -> None:
+        """s (B, H, Tq, Tk) scaled logits, allowed (B|1, 1, Tq, Tk) bool or None (all allowed)."""
+        if allowed is not None:
+            s = s.masked_fill(~allowed, float("-inf"))
+        self._track(s.detach().float().amax(dim=(0, 2, 3)))
+
+
+def qklab_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
+    """query (B, H, Tq, F), key (B, Hkv, Tk, F), value (B, Hkv, Tk, Dv), attention_mask (B, 1, Tq, Tk)
+    additive (0 or the dtype's min) or None. Returns ((B, Tq, H, Dv), probs (B, H, Tq, Tk) or None)."""
+    method = getattr(module, "qk_method", None)
+    tracker: LayerTracker | None = getattr(module, "qk_layer", None)
+    tracking = tracker is not None and tracker.tracking
+    rewrites = method is not None and method.modifies_logits
+    H, Hkv, Tk = query.shape[1], key.shape[1], key.shape[2]
+    mask = attention_mask[..., :Tk] if attention_mask is not None else None
+    if mask is not None and mask.dtype == torch.bool:  # a boolean (sdpa-style) mask: make it additive
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(query.dtype).min)
+    drop = dropout if module.training else 0.0
+    if not (rewrites or tracking or kwargs.get("output_attentions")):
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=drop, scale=scaling,
+                                             enable_gqa=H != Hkv)
+        return out.transpose(1, 2).contiguous(), None
+    if H != Hkv:
+        key, value = key.repeat_interleave(H // Hkv, dim=1), value.repeat_interleave(H // Hkv, dim=1)
+    s = torch.matmul(query, key.transpose(-2, -1)) * scaling  # (B, H, Tq, Tk)
+    if rewrites:
+        s = method.logits(s)
+    if tracking:
+        tracker.observe(s, None if mask is None else mask == 0)
+    if mask is not None:
+        s = s + mask
+    p = torch.softmax(s.float(), dim=-1).to(query.dtype)
+    p = F.dropout(p, p=drop, training=module.training)
+    return torch.matmul(p, value).transpose(1, 2).contiguous(), p
+
+
+def register() -> None:
+    """Register ``qklab_attention`` and its mask under ``"qklab"`` (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(NAME, qklab_attention)
+    AttentionMaskInterface.register(NAME, eager_mask)
+
+
+def use_qklab_attention(model: nn.Module) -> None:
+    """Switch a transformers model (and its sub-configs) to the ``"qklab"`` attention implementation."""
+    register()
+    model.set_attn_implementation(NAME)
+
+
+class QKAttentionMixin:
+    """Forward of a Llama/Mistral/Qwen2/Qwen3 attention layer with a qklab ``QKMethod`` (``self.qk_method``).
+    Family q/k norms (Qwen3's ``q_norm``/``k_norm``) run first when the layer still has them."""
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor | None = None, cache=None, past_key_values=None, **kwargs):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        cache = cache if cache is not None else past_key_values
+        B, T, _ = hidden_states.shape  # (B, T, C)
+        m = self.qk_method
+        xqk = m.map_input(hidden_states)  # (B, T, C') -- hidden_states for most methods
+        q = self.q_proj(xqk).view(B, T, -1, m.proj_dim())  # (B, T, H, d')
+        k = self.k_proj(xqk).view(B, T, -1, m.proj_dim())  # (B, T, Hkv, d')
+        v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        if getattr(self, "q_norm", None) is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = m.map_qk(q.transpose(1, 2), k.transpose(1, 2), HFRope(*position_embeddings), 0)  # (B, H|Hkv, T, F)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, qklab_attention)
+        out, w = attend(self, q, k, v, attention_mask, scaling=m.scale(q.shape[-1]),
+                        dropout=self.attention_dropout if self.training else 0.0,
+                        sliding_window=getattr(self, "sliding_window", None), **kwargs)
+        return self.o_proj(out.reshape(B, T, -1)), w

@@ -1,0 +1,201 @@
+"""qklab.hf.apply on tiny transformers models: "none" changes nothing; qknorm equals a hand-written
+QK-Norm and Qwen3's own code; qkmap equals qklab's attention; left padding and cached generate() are
+unchanged in behaviour for every method."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from qklab.config import ModelConfig, QKConfig  # noqa: E402
+from qklab.hf import apply  # noqa: E402
+from qklab.methods.qkmap import QKMapOptions  # noqa: E402
+from qklab.model import Attention, Rope  # noqa: E402
+from tests.hf.common import HKV, C, H, tiny_model  # noqa: E402
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+METHODS = [("qknorm", {}), ("qkmap", {}), ("softcap", {"cap": 2.0})]
+D = C // H
+
+
+def _rotary(model, x, T):
+    pos = torch.arange(T).unsqueeze(0).expand(x.shape[0], T)
+    return model.model.rotary_emb(x, pos)
+
+
+def _causal(B, T):
+    return torch.full((T, T), torch.finfo(torch.float32).min).triu(1).expand(B, 1, T, T)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_none_leaves_logits_identical(family):
+    model = tiny_model(family)
+    x = torch.randint(3, 101, (2, 16))
+    with torch.no_grad():
+        before = model(x).logits
+        impl = model.config._attn_implementation
+        assert apply(model, "none") is model
+        after = model(x).logits
+    assert torch.equal(before, after) and model.config._attn_implementation == impl
+
+
+def _reference_layer(mod, x, cos, sin, qgain=None, kgain=None, eps=1e-6, cap=None):
+    """Attention written out per head: projections, optional QK-Norm, RoPE on (i, i + D/2) pairs,
+    optional soft-cap, causal softmax, output projection."""
+    B, T, _ = x.shape
+    q = torch.nn.functional.linear(x, mod.q_proj.weight, mod.q_proj.bias).view(B, T, H, D)
+    k = torch.nn.functional.linear(x, mod.k_proj.weight, mod.k_proj.bias).view(B, T, HKV, D)
+    v = torch.nn.functional.linear(x, mod.v_proj.weight, mod.v_proj.bias).view(B, T, HKV, D)
+    if qgain is not None:
+        q = qgain * q / torch.sqrt(q.pow(2).mean(-1, keepdim=True) + eps)
+        k = kgain * k / torch.sqrt(k.pow(2).mean(-1, keepdim=True) + eps)
+    c, s = cos[:, :, None, : D // 2], sin[:, :, None, : D // 2]  # (B, T, 1, D/2)
+
+    def rot(z):
+        a, b = z[..., : D // 2], z[..., D // 2 :]
+        return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+
+    q, k = rot(q), rot(k)
+    out = torch.zeros(B, T, H, D)
+    for h in range(H):
+        g = h // (H // HKV)
+        logits = torch.einsum("btd,bsd->bts", q[:, :, h], k[:, :, g]) / math.sqrt(D)
+        if cap is not None:
+            logits = cap * torch.tanh(logits / cap)
+        logits = logits.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        out[:, :, h] = torch.softmax(logits, -1) @ v[:, :, g]
+    return mod.o_proj(out.reshape(B, T, H * D))
+
+
+@pytest.mark.parametrize("method, opts", [("qknorm", {}), ("softcap", {"cap": 2.0})])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_layer_equals_hand_written_reference(family, method, opts):
+    model = apply(tiny_model(family), method, **opts)
+    mod = model.model.layers[1].self_attn
+    if method == "qknorm":
+        with torch.no_grad():  # non-trivial gains
+            mod.qk_method.q_norm.weight.uniform_(0.5, 1.5)
+            mod.qk_method.k_norm.weight.uniform_(0.5, 1.5)
+    B, T = 2, 14
+    x = torch.randn(B, T, C)
+    cos, sin = _rotary(model, x, T)
+    with torch.no_grad():
+        got, _ = mod(x, (cos, sin), _causal(B, T))
+        if method == "qknorm":
+            ref = _reference_layer(mod, x, cos, sin, mod.qk_method.q_norm.weight, mod.qk_method.k_norm.weight)
+            plain = _reference_layer(mod, x, cos, sin)
+            assert (got - plain).abs().max() > 1e-2  # QK-Norm changes this layer
+        else:
+            ref = _reference_layer(mod, x, cos, sin, cap=opts["cap"])
+            assert (ref - _reference_layer(mod, x, cos, sin)).abs().max() > 1e-3  # the cap is active
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_llama_with_qknorm_equals_qwen3():
+    """Qwen3 is Llama plus QK-Norm: a Llama with qknorm applied and Qwen3 with the same weights agree."""
+    llama = apply(tiny_model("llama"), "qknorm")
+    qwen = tiny_model("qwen3", seed=1)
+    sd = {k.replace("qk_method.", ""): v for k, v in llama.state_dict().items()}
+    with torch.no_grad():
+        for k in sd:
+            if k.endswith(("q_norm.weight", "k_norm.weight")):
+                sd[k].uniform_(0.5, 1.5)
+    missing, unexpected = qwen.load_state_dict(sd, strict=False)
+    assert not missing and not unexpected
+    x = torch.randint(3, 101, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(llama(x).logits, qwen(x).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_qwen3_qknorm_takes_over_its_own_norms():
+    model = tiny_model("qwen3")
+    x = torch.randint(3, 101, (2, 20))
+    with torch.no_grad():
+        before = model(x).logits
+        apply(model, "qknorm")
+        after = model(x).logits
+    assert model.model.layers[0].self_attn.q_norm is None
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("opts", [{}, {"n_freqs": 2, "sharing": "coord"}, {"variant": "polar", "proj_dim": 8,
+                                                                          "n_freqs": 1}])
+def test_qkmap_equals_qklab_attention(opts):
+    model = apply(tiny_model("llama"), "qkmap", **opts)
+    mod = model.model.layers[0].self_attn
+    ours = Attention(ModelConfig(d_model=C, n_heads=H, n_kv_heads=HKV, max_seq_len=128, attn_impl="eager"),
+                     QKConfig(method="qkmap", options={"qkmap": QKMapOptions(**opts)}), layer_idx=0).eval()
+    with torch.no_grad():
+        for a, b in ((ours.wq, mod.q_proj), (ours.wk, mod.k_proj), (ours.wv, mod.v_proj), (ours.wo, mod.o_proj)):
+            a.weight.copy_(b.weight)
+        for p in mod.qk_method.parameters():  # non-trivial frequencies and temperatures
+            p.add_(torch.randn_like(p) * 0.3)
+        ours.qk.load_state_dict(mod.qk_method.state_dict())
+    B, T = 2, 18
+    x = torch.randn(B, T, C)
+    with torch.no_grad():
+        got, _ = mod(x, _rotary(model, x, T), _causal(B, T))
+        ref = ours(x, Rope(128, model.config.rope_parameters["rope_theta"]))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    ours.capture = {}
+    with torch.no_grad():
+        ours(x, Rope(128, model.config.rope_parameters["rope_theta"]))
+    assert ours.capture["probs"][:, :, -1].max() > 3.0 / T  # attention is far from uniform: the map matters
+
+
+def _left_pad(seqs, pad=0):
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad)
+    mask = torch.zeros(len(seqs), T, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, T - len(s):] = s
+        mask[i, T - len(s):] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("method, opts", METHODS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_left_padding_matches_unpadded(family, method, opts):
+    model = apply(tiny_model(family), method, **opts)
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(3, 101, (n,), generator=g) for n in (12, 7, 3)]
+    ids, mask = _left_pad(seqs)
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        padded = model(ids, attention_mask=mask, position_ids=pos).logits
+        for i, s in enumerate(seqs):
+            alone = model(s.unsqueeze(0)).logits[0]
+            torch.testing.assert_close(padded[i, ids.shape[1] - len(s):], alone, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method, opts", [("none", {}), *METHODS])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_generate_equals_greedy_full_forwards(family, method, opts):
+    model = apply(tiny_model(family), method, **opts)
+    model.generation_config.pad_token_id = 0
+    g = torch.Generator().manual_seed(7)
+    ids, mask = _left_pad([torch.randint(3, 101, (n,), generator=g) for n in (9, 5)])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None)
+        seq, m = ids.clone(), mask.clone()
+        for _ in range(10):  # no cache: the whole sequence every step
+            logits = model(seq, attention_mask=m, position_ids=(m.cumsum(-1) - 1).clamp_min(0), use_cache=False).logits
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            seq, m = torch.cat([seq, nxt], 1), torch.cat([m, torch.ones_like(nxt)], 1)
+    assert torch.equal(out, seq)
+    assert len(set(out[:, ids.shape[1]:].flatten().tolist())) > 2  # not a degenerate constant output
+
+
+def test_apply_refuses_bad_input():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="unknown QK method"):
+        apply(model, "qknrom")
+    with pytest.raises(ValueError, match="has no option"):
+        apply(model, "softcap", capp=3)
+    with pytest.raises(ValueError, match="head_dim"):
+        apply(copy.deepcopy(model), "qkmap", proj_dim=3)
