@@ -156,7 +156,9 @@ class RunConfig:
                 except ValueError as e:
                     raise ConfigError(str(e)) from None
         try:  # the method checks its options against the attention shape (e.g. compute-matched widths)
-            METHODS[q.method](AttnShape(m.d_model, m.n_heads, m.kv_heads, m.head_dim, 0, m.n_layers), q.opts(q.method))
+            method = METHODS[q.method](AttnShape(m.d_model, m.n_heads, m.kv_heads, m.head_dim, 0, m.n_layers),
+                                       q.opts(q.method))
+            CONTROLLERS[q.controller].check_method(method, q.opts(q.controller))  # e.g. QK-clip on QK-Norm
         except ValueError as e:
             raise ConfigError(str(e)) from None
         _check(t.optimizer in ("adamw", "muon"), f"train.optimizer='{t.optimizer}': use adamw or muon")

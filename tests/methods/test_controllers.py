@@ -315,3 +315,121 @@ def test_max_logit_tracker_ignores_eval_forwards():
     model.train()
     model(x)
     torch.testing.assert_close(model.blocks[0].attn.max_logit, max_attention_logits(model, x)[0])
+
+
+# --- QK-clip: refusals, the exact GQA rule, the MLA split, methods that clip their own parameters ----
+
+
+def _clip_once(model, blow, tau, opts):
+    """Blow up some heads with ``blow(model)``, run one training forward (tracking), clip at lr 0 and
+    recompute every layer's per-head max logit on the same attention inputs: (before, after), (L, H)."""
+    model.train()
+    with torch.no_grad():
+        blow(model)
+    x = torch.randint(0, 97, (2, 32))
+    inputs = {}
+    hooks = [b.attn.register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0].detach()))
+             for i, b in enumerate(model.blocks)]
+    (opt,) = build_optimizer(model, TrainConfig(lr=0.0, weight_decay=0.0))
+    ctrl = QKClip(model, [opt], QKClipOptions(tau_clip=tau, **opts))
+    _, loss = model(x, x)
+    loss.backward()
+    for h in hooks:
+        h.remove()
+    before = torch.stack([b.attn.max_logit.clone() for b in model.blocks])
+    _step(model, [opt], ctrl)
+    after = torch.stack([_layer_max(b.attn, inputs[i], model.rope) for i, b in enumerate(model.blocks)])
+    return before, after
+
+
+def _blow_q(heads, by):
+    def blow(model):
+        for b in model.blocks:
+            b.attn.wq.weight.view(4, -1, 64)[heads] *= by
+    return blow
+
+
+def test_qkclip_gqa_exact_rule_shrinks_each_head_by_its_own_gain():
+    """GQA, 2 query heads per key head; head 0 blown up, head 1 (same group) not: with gqa=exact every
+    head's max logit becomes exactly min(S_h, tau); with gqa=min head 1 is over-clipped."""
+    tau = 5.0
+    before, after = _clip_once(tiny_gpt(n_kv_heads=2), _blow_q([0], 300.0), tau, {"gqa": "exact"})
+    assert (before[:, 0] > tau).all() and (before[:, 1:] < tau).all()
+    torch.testing.assert_close(after, torch.minimum(before, torch.tensor(tau)), rtol=1e-4, atol=1e-5)
+    before_m, after_m = _clip_once(tiny_gpt(n_kv_heads=2), _blow_q([0], 300.0), tau, {"gqa": "min"})
+    g = tau / before_m[:, 0]
+    torch.testing.assert_close(after_m[:, 0], torch.full_like(g, tau), rtol=1e-4, atol=0)
+    torch.testing.assert_close(after_m[:, 1], before_m[:, 1] * g.sqrt(), rtol=1e-4, atol=1e-6)  # sqrt(g_h g_min)
+
+
+def test_qkclip_exact_gqa_weight_factors():
+    model = tiny_gpt(n_kv_heads=2)
+    a = model.blocks[0].attn
+    wq0, wk0 = a.wq.weight.detach().clone().view(4, -1, 64), a.wk.weight.detach().clone().view(2, -1, 64)
+    g = torch.tensor([0.25, 1.0, 0.5, 0.8])
+    QKClip.rescale(a, g, QKClipOptions(gqa="exact"))
+    gmin = torch.tensor([0.25, 0.5])
+    torch.testing.assert_close(a.wk.weight.view(2, -1, 64), wk0 * gmin.sqrt().view(-1, 1, 1))
+    torch.testing.assert_close(a.wq.weight.view(4, -1, 64), wq0 * (g / gmin.sqrt().repeat_interleave(2)).view(-1, 1, 1))
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.3, 1.0])
+def test_qkclip_mla_alpha_split_against_recomputed_logits(alpha):
+    model = _mla()
+    a = model.blocks[0].attn
+    before = {n: getattr(a, n).weight.detach().clone() for n in ("wuq", "wuk", "wqr", "wkr")}
+    g = torch.tensor([1.0, 0.25, 1.0, 0.64])
+    QKClip.rescale(a, g, QKClipOptions(alpha=alpha))
+    for name, f in (("wuq", g ** alpha), ("wuk", g ** (1 - alpha)), ("wqr", g)):
+        w = getattr(a, name).weight.view(4, -1, getattr(a, name).weight.shape[-1])
+        torch.testing.assert_close(w, before[name].view_as(w) * f.view(-1, 1, 1))
+    assert torch.equal(a.wkr.weight, before["wkr"])
+
+    def blow(m):
+        for b in m.blocks:
+            b.attn.wuq.weight.view(4, -1, 24)[[1, 3]] *= 60.0
+            b.attn.wqr.weight.view(4, -1, 24)[[1, 3]] *= 60.0
+    b4, after = _clip_once(_mla(), blow, 5.0, {"alpha": alpha})
+    torch.testing.assert_close(after, torch.minimum(b4, torch.tensor(5.0)), rtol=1e-4, atol=1e-5)
+
+
+def test_qkclip_refuses_qknorm_in_one_line():
+    from qklab.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", ["qk.method=qknorm", "qk.controller=qkclip"])
+    assert "qk.method=qknorm" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="qknorm"):
+        QKClip(tiny_gpt("qknorm"), [], QKClipOptions())
+    with pytest.raises(ConfigError, match="never act"):  # capped logits never reach tau_clip >= cap
+        load_config("tiny", ["qk.method=softcap", "qk.softcap.cap=30", "qk.controller=qkclip"])
+    assert load_config("tiny", ["qk.method=softcap", "qk.softcap.cap=30", "qk.controller=qkclip",
+                                "qk.qkclip.tau_clip=20"]).qk.controller == "qkclip"
+
+
+def test_qkclip_on_qkmap_clips_the_temperature_exactly():
+    """QK-MAP's logits are T_h times a bounded kernel: the clip scales T_h by g_h, not the weights."""
+    from qklab.config import ModelConfig, QKConfig
+    from qklab.methods.qkmap import QKMapOptions
+    from qklab.model import GPT
+
+    cfg = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, max_seq_len=64)
+    model = GPT(cfg, QKConfig(method="qkmap", options={"qkmap": QKMapOptions(temperature=20.0)}))
+    w0 = model.blocks[0].attn.wq.weight.detach().clone()
+
+    def blow(m):
+        for b in m.blocks:
+            b.attn.qk.log_temp.data[[0, 2]] += 1.0  # heads 0, 2: bound 20 e
+    before, after = _clip_once(model, blow, 12.0, {})
+    assert (before[:, [0, 2]] > 12.0).all()
+    torch.testing.assert_close(after, torch.minimum(before, torch.tensor(12.0)), rtol=1e-4, atol=1e-5)
+    assert torch.equal(model.blocks[0].attn.wq.weight, w0)
+
+
+def test_qkclip_on_softcap_clips_the_raw_logits_exactly():
+    """cap * tanh(g r / cap) = tau with g = atanh(tau / cap) / atanh(S / cap): one clip lands on tau."""
+    model = tiny_gpt("softcap")
+    model.blocks[0].attn.qk.cap = model.blocks[1].attn.qk.cap = 20.0
+    before, after = _clip_once(model, _blow_q([0, 2], 400.0), 10.0, {})
+    assert (before[:, [0, 2]] > 10.0).all() and (before < 20.0).all()
+    torch.testing.assert_close(after, torch.minimum(before, torch.tensor(10.0)), rtol=1e-4, atol=1e-5)

@@ -103,6 +103,20 @@ class QKMethod(nn.Module):
         registered method. The default (keys only rotated): RoPE(q), 1, 1."""
         return rope(q, pos), None, None
 
+    def clip_refusal(self, tau_clip: float) -> str:
+        """QK-clip (qk.controller=qkclip) with this method: "" when it can bound the logits at
+        ``tau_clip``, else the one-line reason it cannot."""
+        return ""
+
+    def clip_logits(self, g: torch.Tensor) -> bool:
+        """QK-clip hook: shrink head h's logits by g[h] (H,) through the method's own parameters and
+        return True, or return False when the logits scale with W_Q W_K (the weights are clipped)."""
+        return False
+
+    def raw_logit(self, s: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``logits`` (the scaled q.k behind a logit the method returns), for QK-clip."""
+        return s
+
     def param_group(self) -> tuple[str, float] | None:
         """None: the method's own parameters join the model's groups by shape (norm gains: no decay).
         (name, mult): they form their own optimizer group ``name``, without weight decay, at ``mult``
@@ -126,6 +140,11 @@ class QKController:
         self.model = model
         self.optimizer = optimizer
         self.opts = opts
+
+    @classmethod
+    def check_method(cls, method: QKMethod, opts: Any) -> None:
+        """Raise ValueError (one line) when this controller cannot work with the forward-side ``method``
+        (``RunConfig.validate`` and the constructor ask)."""
 
     def before_step(self, step: int) -> None:
         """Called after gradients are ready and the scheduled lr is set, before optimizer.step()."""

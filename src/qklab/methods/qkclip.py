@@ -1,10 +1,20 @@
 """QK-clip (the clipping half of MuonClip): after each optimizer step, every head whose largest
-pre-softmax logit since the last step S exceeds tau_clip gets W_Q^h and W_K^h scaled by sqrt(tau_clip / S),
-so its logits shrink by tau_clip / S from the next step on (logits are bilinear in W_Q, W_K).
+pre-softmax logit since the last step S_h exceeds tau_clip gets its logits shrunk by g_h = tau_clip / S_h
+from the next step on, by scaling the weights that make them (logits are bilinear in W_Q, W_K).
 
-GQA: each query head is scaled by its own sqrt(g_h); a shared key head by the sqrt of its group's
-smallest g. MLA: W_uq^h and W_uk^h by sqrt(g_h), W_qr^h by g_h (its partner, the shared rope key W_kr,
-is left alone). A head with S <= 0 (or none seen) is left alone.
+MHA: W_Q^h and W_K^h by sqrt(g_h). GQA (a key head shared by the query heads h of its group), ``gqa``:
+* ``min`` (default, the usual rule): each query head by sqrt(g_h), the key head by sqrt(min_h g_h); head
+  h's logits shrink by sqrt(g_h g_min) <= g_h, so the other heads of a group are clipped more than needed.
+* ``exact``: the key head by sqrt(g_min), query head h by g_h / sqrt(g_min): every head's logits shrink
+  by exactly g_h (an unclipped head of a clipped group keeps its logits).
+MLA: q_nope (W_uq^h) by g^alpha, k_nope (W_uk^h) by g^(1 - alpha), q_rope (W_qr^h) by g; the shared
+rope key W_kr and the values are left alone (``alpha`` 0.5: the split used by large MLA trainings).
+
+Methods whose logits do not scale with W_Q W_K: QK-MAP (post, polar) clips its temperature T_h by g_h
+instead (exact: the logit is T_h times a bounded kernel); QK-Norm is refused (its logits are
+scale-invariant in W_Q, W_K and its gains are shared by the heads); soft-capping is clipped on the raw
+logits behind the cap (g = atanh(tau/cap) / atanh(S/cap), exact) and refused when tau_clip >= cap.
+A head with S <= 0 (or none seen) is left alone.
 """
 
 from __future__ import annotations
@@ -14,45 +24,63 @@ from typing import Any
 
 import torch
 
-from qklab.methods.base import QKController
+from qklab.methods.base import QKController, QKMethod
 from qklab.methods.headwise import is_mla, logit_matrices
 
 
 @dataclass
 class QKClipOptions:
     tau_clip: float = 100.0
+    gqa: str = "min"  # min | exact: how a shared key head is clipped (see the module docstring)
+    alpha: float = 0.5  # MLA: q_nope scaled by g^alpha, k_nope by g^(1 - alpha), q_rope by g
 
     def validate(self) -> None:
         if self.tau_clip <= 0:
             raise ValueError(f"qk.qkclip.tau_clip must be > 0, got {self.tau_clip}")
+        if self.gqa not in ("min", "exact"):
+            raise ValueError(f"qk.qkclip.gqa='{self.gqa}': use min or exact")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"qk.qkclip.alpha must be in [0, 1], got {self.alpha}")
 
 
 class QKClip(QKController):
     name = "qkclip"
     Options = QKClipOptions
 
+    @classmethod
+    def check_method(cls, method: QKMethod, opts: QKClipOptions) -> None:
+        reason = method.clip_refusal(opts.tau_clip)
+        if reason:
+            raise ValueError(reason)
+
     def __init__(self, model, optimizer, opts: QKClipOptions) -> None:
         super().__init__(model, optimizer, opts)
         self.attns = [b.attn for b in model.blocks]
         for a in self.attns:
+            self.check_method(a.qk, opts)
             a.track_max_logit = True
         self.last: dict[str, Any] = {}
 
-    def gains(self, s_max: torch.Tensor) -> torch.Tensor:
-        """(H,) logit gain g = tau / S for heads above tau_clip, else 1 (S <= 0 guarded)."""
-        tau = self.opts.tau_clip
+    def gains(self, s_max: torch.Tensor, method: QKMethod | None = None) -> torch.Tensor:
+        """(H,) logit gain for heads above tau_clip, else 1 (S <= 0 guarded): tau / S, measured on the raw
+        logits behind the method's ``logits`` rewrite (soft-capping) when ``method`` is given."""
+        tau = torch.tensor(self.opts.tau_clip)
         over = torch.isfinite(s_max) & (s_max > tau)
-        return torch.where(over, tau / torch.where(over, s_max, torch.ones_like(s_max)), torch.ones_like(s_max))
+        s = torch.where(over, s_max, torch.ones_like(s_max))
+        if method is not None:
+            tau, s = method.raw_logit(tau), method.raw_logit(s)
+        return torch.where(over, tau / s, torch.ones_like(s_max))
 
     @torch.no_grad()
     def after_step(self, step: int) -> None:
         clipped, smax_all, gmin = 0, [], 1.0
         for a in self.attns:
             s_max = a.pop_max_logit()  # (H,)
-            g = self.gains(s_max)
+            g = self.gains(s_max, a.qk)
             smax_all.append(s_max.max().item())
             if (g < 1).any():
-                self.rescale(a, g)
+                if not a.qk.clip_logits(g):
+                    self.rescale(a, g, self.opts)
                 clipped += int((g < 1).sum())
                 gmin = min(gmin, g.min().item())
         self.last = {"qkclip_heads_clipped": clipped, "qkclip_min_gain": gmin, "qkclip_smax": max(smax_all)}
@@ -63,21 +91,27 @@ class QKClip(QKController):
 
     @staticmethod
     @torch.no_grad()
-    def rescale(attn, g: torch.Tensor) -> None:
-        """Scale the logit-path weights of ``attn`` so that head h's logits shrink by g[h]."""
+    def rescale(attn, g: torch.Tensor, opts: QKClipOptions | None = None) -> None:
+        """Scale the logit-path weights of ``attn`` so that head h's logits shrink by g[h] (exactly, except
+        the other query heads of a clipped GQA group under ``gqa=min``)."""
+        opts = opts or QKClipOptions()
         mats = logit_matrices(attn)
 
         def scale(name: str, f: torch.Tensor) -> None:
             mats[name].heads().mul_(f.to(mats[name].weight.device).view(-1, 1, 1))
 
         if is_mla(attn):
-            scale("wuq", g.sqrt())
-            scale("wuk", g.sqrt())
+            scale("wuq", g.pow(opts.alpha))
+            scale("wuk", g.pow(1.0 - opts.alpha))
             scale("wqr", g)
+            return
+        H, Hkv = mats["wq"].n_heads, mats["wk"].n_heads
+        gmin = g.view(Hkv, H // Hkv).amin(dim=1)  # (Hkv,)
+        scale("wk", gmin.sqrt())
+        if opts.gqa == "exact":
+            scale("wq", g / gmin.sqrt().repeat_interleave(H // Hkv))
         else:
-            H, Hkv = mats["wq"].n_heads, mats["wk"].n_heads
             scale("wq", g.sqrt())
-            scale("wk", g.view(Hkv, H // Hkv).amin(dim=1).sqrt())
 
     def metrics(self) -> dict[str, Any]:
         return dict(self.last)

@@ -141,6 +141,15 @@ class QKMap(QKMethod):
             return self.opts.qk_init_std
         return default if self.opts.variant == "input" else 1.0 / math.sqrt(self.qk_in_dim())
 
+    @torch.no_grad()
+    def clip_logits(self, g: torch.Tensor) -> bool:
+        """post/polar: the logits are T_h times a bounded kernel, so QK-clip scales T_h by g_h (exact);
+        input: the logits scale with W_Q W_K as in standard attention."""
+        if self.opts.variant == "input":
+            return False
+        self.log_temp.add_(g.to(self.log_temp).log())
+        return True
+
     def param_group(self) -> tuple[str, float] | None:
         """The optimizer group of the map's own parameters: (name, rate multiplier), no weight decay."""
         return "qk_map", self.opts.lr_mult

@@ -44,6 +44,11 @@ class QKNorm(QKMethod):
         s = torch.rsqrt(k.float().pow(2).mean(-1, keepdim=True) + self.opts.eps)  # (B, Hkv, T, 1)
         return rope(self.q_norm(q), pos), self.k_norm.weight, s.to(k.dtype)
 
+    def clip_refusal(self, tau_clip: float) -> str:
+        return ("qk.controller=qkclip cannot bound qk.method=qknorm: its logits do not depend on the scale of "
+                "W_Q/W_K (clipping only shrinks them) and its gains are shared by all heads; use qk.controller=quack, "
+                "qk.method=softcap, or qknorm alone")
+
     def reset_parameters(self) -> None:
         nn.init.constant_(self.q_norm.weight, self.opts.gain_init)
         nn.init.constant_(self.k_norm.weight, self.opts.gain_init)

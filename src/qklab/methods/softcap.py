@@ -33,3 +33,14 @@ class SoftCap(QKMethod):
 
     def logits(self, s: torch.Tensor) -> torch.Tensor:
         return self.cap * torch.tanh(s / self.cap)
+
+    def clip_refusal(self, tau_clip: float) -> str:
+        if tau_clip >= self.cap:
+            return (f"qk.qkclip.tau_clip={tau_clip} >= qk.softcap.cap={self.cap}: capped logits never exceed the cap, "
+                    "so QK-clip would never act; set tau_clip below the cap or drop the controller")
+        return ""
+
+    def raw_logit(self, s: torch.Tensor) -> torch.Tensor:
+        # cap * atanh(s / cap); |s| < cap always (the tanh is strict), clamped against rounding to the cap
+        lim = 1.0 - torch.finfo(torch.float32).eps
+        return self.cap * torch.atanh((s.float() / self.cap).clamp(-lim, lim))
