@@ -1,16 +1,25 @@
-"""Crash-safe checkpoints.
+"""Crash-safe, verified checkpoints.
 
-A checkpoint is a folder ``ckpt/step_XXXXXXX/`` holding ``model.safetensors`` (weights) and
-``state.pt`` (optimizer, controller, data-loader and RNG state, step). It is written under a temporary
-name, every file is fsynced, and only then is the folder renamed into place and the ``latest`` pointer
-replaced (also by rename). A process killed at any moment leaves the previous checkpoint intact and
-``latest`` pointing at a complete one.
+A checkpoint is a folder ``ckpt/step_XXXXXXX/`` holding ``model.safetensors`` (weights), ``state.pt``
+(optimizer, controller, data-loader and RNG state, step, config) and ``manifest.json`` (the size and
+sha256 of each of the two). It is written under a temporary name, every file is fsynced, and only then
+is the folder renamed into place and the ``latest`` pointer replaced (also by rename). A process killed
+at any moment leaves the previous checkpoint intact; a failed write (a full disk) removes its temporary
+folder, and temporary folders of dead writers are removed before the next write.
+
+Loading checks the manifest first: a truncated, altered or missing file makes the checkpoint unusable,
+and ``latest_checkpoint`` / ``newest_usable`` fall back to the newest good one and say which was skipped.
+Checkpoints written before manifests existed (no ``manifest.json``) are accepted unverified.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,49 +27,56 @@ import torch
 from safetensors.torch import load_model, save_model
 from torch import nn
 
+from qklab.train.files import atomic_write_text, fsync_dir, fsync_file, pid_alive
+
 PREFIX = "step_"
+MANIFEST = "manifest.json"
+FILES = ("model.safetensors", "state.pt")
+
+__all__ = ["CheckpointError", "atomic_write_text", "save_checkpoint", "latest_checkpoint", "newest_usable",
+           "load_checkpoint", "read_state", "load_weights", "verify_checkpoint", "complete_checkpoints",
+           "remove_stale_temps"]
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used (damaged, incomplete, or not matching the model); one line."""
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, model: nn.Module, state: dict[str, Any], keep: int = 2) -> Path:
     ckpt_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(ckpt_dir)
     final = ckpt_dir / f"{PREFIX}{step:07d}"
     tmp = ckpt_dir / f".tmp-{PREFIX}{step:07d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
-    torch.save({**state, "step": step}, tmp / "state.pt")
-    for f in tmp.iterdir():
-        _fsync_file(f)
-    _fsync_dir(tmp)
     old = ckpt_dir / f".old-{PREFIX}{step:07d}-{os.getpid()}"
-    if final.exists():  # re-saving a step: move the old copy aside first (a folder cannot be replaced)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _fsync_dir(ckpt_dir)
-    atomic_write_text(ckpt_dir / "latest", final.name + "\n")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_model(model, str(tmp / FILES[0]))
+        torch.save({**state, "step": step}, tmp / FILES[1])
+        manifest = {"step": step, "files": {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)}
+                                            for n in FILES}}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        for f in tmp.iterdir():
+            fsync_file(f)
+        fsync_dir(tmp)
+        if final.exists():  # re-saving a step: move the old copy aside first (a folder cannot be replaced)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        fsync_dir(ckpt_dir)
+        atomic_write_text(ckpt_dir / "latest", final.name + "\n")
+    except BaseException:  # a full disk or a signal: leave nothing half-written behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not final.exists():
+            os.replace(old, final)
+        raise
     shutil.rmtree(old, ignore_errors=True)
     _prune(ckpt_dir, keep)
     return final
@@ -70,30 +86,125 @@ def _prune(ckpt_dir: Path, keep: int) -> None:
     done = complete_checkpoints(ckpt_dir)
     for old in done[: max(0, len(done) - max(1, keep))]:
         shutil.rmtree(old, ignore_errors=True)
-    for junk in [*ckpt_dir.glob(f".tmp-{PREFIX}*"), *ckpt_dir.glob(f".old-{PREFIX}*")]:  # left by a killed writer
-        if not junk.name.endswith(f"-{os.getpid()}"):
-            shutil.rmtree(junk, ignore_errors=True)
+
+
+def remove_stale_temps(ckpt_dir: Path) -> list[Path]:
+    """Remove the temporary folders of writers that no longer run (killed mid-write, or failed on a full
+    disk); a live writer's folder is left alone. Returns what was removed."""
+    removed = []
+    if not ckpt_dir.is_dir():
+        return removed
+    for junk in [*ckpt_dir.glob(f".tmp-{PREFIX}*"), *ckpt_dir.glob(f".old-{PREFIX}*"), *ckpt_dir.glob(".latest.*")]:
+        m = re.search(r"[-.](\d+)(\.tmp)?$", junk.name)  # the writer's process id
+        if m is None or int(m.group(1)) == os.getpid() or not pid_alive(int(m.group(1))):
+            if junk.is_dir():
+                shutil.rmtree(junk, ignore_errors=True)
+            else:
+                junk.unlink(missing_ok=True)
+            removed.append(junk)
+    return removed
 
 
 def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
-    """Complete checkpoint folders, oldest first."""
-    found = [p for p in ckpt_dir.glob(f"{PREFIX}*")
-             if (p / "state.pt").is_file() and (p / "model.safetensors").is_file()]
+    """Checkpoint folders holding both data files, oldest first (not verified; see verify_checkpoint)."""
+    found = [p for p in ckpt_dir.glob(f"{PREFIX}*") if all((p / n).is_file() for n in FILES)]
     return sorted(found, key=lambda p: p.name)
 
 
-def latest_checkpoint(ckpt_dir: Path) -> Path | None:
-    """The folder ``latest`` names, else the newest complete one, else None."""
+def verify_checkpoint(path: Path) -> str | None:
+    """None when every file matches the manifest; otherwise what is wrong, in a few words."""
+    missing = [n for n in FILES if not (path / n).is_file()]
+    if missing:
+        return f"{', '.join(missing)} missing"
+    if not (path / MANIFEST).is_file():
+        return None  # written before manifests: accepted unverified
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+        want = {n: (int(files[n]["bytes"]), str(files[n]["sha256"])) for n in FILES}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} unreadable ({type(e).__name__})"
+    for n, (size, sha) in want.items():
+        got = (path / n).stat().st_size
+        if got != size:
+            return f"{n} has {got} bytes, the manifest says {size} (truncated?)"
+        if _sha256(path / n) != sha:
+            return f"{n} does not match its sha256 in the manifest (altered on disk)"
+    return None
+
+
+def _candidates(ckpt_dir: Path) -> list[Path]:
+    """Checkpoint folders, newest first (whatever ``latest`` names first)."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = sorted((p for p in ckpt_dir.glob(f"{PREFIX}*") if p.is_dir()), key=lambda p: p.name, reverse=True)
     pointer = ckpt_dir / "latest"
-    if pointer.is_file():
-        cand = ckpt_dir / pointer.read_text().strip()
-        if (cand / "state.pt").is_file():
+    try:
+        named = ckpt_dir / pointer.read_text().strip() if pointer.is_file() else None
+    except (OSError, UnicodeDecodeError):
+        named = None
+    if named in found:
+        found.remove(named)
+        found.insert(0, named)
+    return found
+
+
+def newest_usable(ckpt_dir: Path, warn: Callable[[str], None] | None = None) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint whose files verify and whose state loads, with that state; each damaged one
+    skipped on the way is reported through ``warn``. None when there is none."""
+    skipped: list[str] = []
+    for cand in _candidates(ckpt_dir):
+        try:
+            state = read_state(cand)
+        except CheckpointError as e:
+            skipped.append(str(e))
+            continue
+        if skipped and warn is not None:
+            warn(f"warning: {'; '.join(skipped)}; using {cand.name}, the newest good checkpoint")
+        return cand, state
+    if skipped and warn is not None:
+        warn(f"warning: {'; '.join(skipped)}; no good checkpoint left")
+    return None
+
+
+def latest_checkpoint(ckpt_dir: Path, warn: Callable[[str], None] | None = None) -> Path | None:
+    """The newest checkpoint whose files match their manifest, else None; damaged ones are skipped (and
+    reported through ``warn``)."""
+    skipped = []
+    for cand in _candidates(ckpt_dir):
+        problem = verify_checkpoint(cand)
+        if problem is None:
+            if skipped and warn is not None:
+                warn(f"warning: {'; '.join(skipped)}; using {cand.name}, the newest good checkpoint")
             return cand
-    done = complete_checkpoints(ckpt_dir) if ckpt_dir.is_dir() else []
-    return done[-1] if done else None
+        skipped.append(f"checkpoint {cand} is damaged: {problem}")
+    return None
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """Verify the checkpoint and load its state (everything but the weights)."""
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
+    try:
+        state = torch.load(path / FILES[1], weights_only=False)
+    except Exception as e:  # unpickling a damaged legacy file can raise nearly anything
+        raise CheckpointError(f"checkpoint {path} is damaged: state.pt does not load ({type(e).__name__})") from None
+    if not isinstance(state, dict) or "step" not in state:
+        raise CheckpointError(f"checkpoint {path} is damaged: state.pt holds no training state")
+    return state
+
+
+def load_weights(path: Path, model: nn.Module) -> None:
+    """Load ``model.safetensors`` into ``model`` (strict: every tensor, every shape)."""
+    try:
+        load_model(model, str(path / FILES[0]), strict=True)
+    except (RuntimeError, OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {path}: weights do not fit the model ({first[:200]})") from None
 
 
 def load_checkpoint(path: Path, model: nn.Module) -> dict[str, Any]:
-    """Load weights into ``model`` (strict) and return the rest of the state."""
-    load_model(model, str(path / "model.safetensors"), strict=True)
-    return torch.load(path / "state.pt", weights_only=False)
+    """Verify, load weights into ``model`` (strict) and return the rest of the state."""
+    state = read_state(path)
+    load_weights(path, model)
+    return state

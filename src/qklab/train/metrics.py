@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qklab.train.files import atomic_write_text
+
 
 def _clean(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
@@ -24,11 +26,13 @@ def _clean(v: Any) -> Any:
 class MetricsLog:
     def __init__(self, path: Path, truncate_after: int | None = None) -> None:
         """Open ``path`` for appending. On resume, ``truncate_after`` drops records logged after the
-        checkpoint step, so the file reads as if the run had never been interrupted."""
+        checkpoint step, so the file reads as if the run had never been interrupted. The rewrite is atomic,
+        and a line torn by a kill mid-write is dropped with the rest."""
         self.path = path
         if truncate_after is not None and path.exists():
-            keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= truncate_after]
-            path.write_text("".join(ln + "\n" for ln in keep))
+            steps = [(ln, _step(ln)) for ln in path.read_text().splitlines()]
+            keep = [ln for ln, s in steps if s is not None and s <= truncate_after]
+            atomic_write_text(path, "".join(ln + "\n" for ln in keep))
         self._f = open(path, "a")
 
     def log(self, step: int, **values: Any) -> None:
@@ -40,5 +44,18 @@ class MetricsLog:
         self._f.close()
 
 
+def _step(line: str) -> int | None:
+    """The step of a record, None for a line that is not one (torn by a kill mid-write)."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return rec.get("step") if isinstance(rec, dict) and isinstance(rec.get("step"), int) else None
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+    """All records; a last line torn by a kill mid-write is left out (any other bad line raises)."""
+    lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]
+    if lines and _step(lines[-1]) is None:
+        lines.pop()
+    return [json.loads(ln) for ln in lines]
