@@ -1,16 +1,23 @@
 """Command line: ``qklab train``, ``qklab demo``, ``qklab sweep``, ``qklab probe``.
 
-User mistakes print one line (``qklab: error: ...``) and exit with code 2, without a traceback.
+User mistakes print one line (``qklab: error: ...``) and exit with code 2, without a traceback: bad
+options and config values, missing or unwritable files (any OSError), damaged input. A run stopped by
+SIGTERM/SIGINT exits with 128 + the signal number after its checkpoint, a non-finite stop (or too many
+skipped steps) with 1. Anything else is a bug: its traceback is printed with the run's log path, exit 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
+import traceback
 
-from qklab.config import ConfigError, load_config
+from qklab.config import ConfigError, check_methods, load_config, preset_names
 from qklab.data import DataError
 from qklab.diagnostics.stability import NonFiniteError
+from qklab.train.checkpoint import CheckpointError
+from qklab.train.signals import RunInterrupted
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -19,14 +26,18 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.set)
     res = Trainer(cfg, resume=args.resume, overwrite=args.overwrite).run()
     print(f"done: {res.run_dir}  val_loss {res.final_val_loss:.4f}  max_logit {res.max_logit:.2f}  "
-          f"{res.tokens_per_s:,.0f} tok/s")
+          f"{res.tokens_per_s:,.0f} tok/s  skipped {res.skipped} of {res.steps} steps")
+    if res.skipped > cfg.train.skip_limit * res.steps:
+        print(f"qklab: failed: {res.skipped} of {res.steps} steps were skipped as non-finite, more than "
+              f"train.skip_limit={cfg.train.skip_limit:g} allows; lower train.lr", file=sys.stderr)
+        return 1
     return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
     from qklab.demo import run_demo
 
-    run_demo(args.config, args.methods.split(","), args.set)
+    run_demo(args.config, check_methods(args.methods.split(",")), args.set)
     return 0
 
 
@@ -52,12 +63,19 @@ def _probe(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``qklab: error: ...`` and exit code 2, no usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"qklab: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qklab", description="Train and compare QK methods for attention.")
+    p = _Parser(prog="qklab", description="Train and compare QK methods for attention.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     t = sub.add_parser("train", help="train a GPT with a QK method")
-    t.add_argument("--config", "-c", default="tiny", help="preset name (tiny, small) or TOML path")
+    t.add_argument("--config", "-c", default="tiny", help=f"preset name ({', '.join(preset_names())}) or TOML path")
     t.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set qk.method=qknorm (repeatable)")
     t.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
@@ -92,19 +110,52 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _os_error(e: OSError) -> str:
+    where = f" ({e.filename})" if e.filename else ""
+    hint = {errno.ENOSPC: "free some space, then continue with --resume",
+            errno.EDQUOT: "free some space, then continue with --resume",
+            errno.EACCES: "check the permissions, or choose another folder",
+            errno.EROFS: "the file system is read-only; choose another folder",
+            errno.ENOENT: "check the path"}.get(e.errno, "check the path and the disk")
+    return f"{e.strerror or _one_line(e)}{where}; {hint}"
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, MemoryError) or "out of memory" in str(e).lower() or "can't allocate memory" in str(e)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, DataError) as e:
-        print(f"qklab: error: {e}", file=sys.stderr)
+    except (ConfigError, DataError, CheckpointError) as e:
+        print(f"qklab: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a missing, unreadable or unwritable path, a full disk: the user's to fix
+        print(f"qklab: error: {_os_error(e)}", file=sys.stderr)
         return 2
     except NonFiniteError as e:
-        print(f"qklab: stopped: {e}", file=sys.stderr)
+        print(f"qklab: stopped: {_one_line(e)}", file=sys.stderr)
         return 1
+    except RunInterrupted as e:
+        print(f"qklab: {e}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         print("qklab: interrupted; the last checkpoint is intact (continue with --resume)", file=sys.stderr)
         return 130
+    except Exception as e:
+        if _out_of_memory(e):
+            print("qklab: error: out of memory; lower model sizes, train.batch_size or train.seq_len", file=sys.stderr)
+            return 2
+        traceback.print_exc()
+        log = next((n[len("run log: "):] for n in getattr(e, "__notes__", []) if n.startswith("run log: ")), None)
+        print(f"qklab: internal error (a bug in qklab, not in your input): {type(e).__name__}"
+              + (f"; the run's log is {log}" if log else ""), file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -7,9 +7,12 @@ missing data) raises ``ConfigError`` with one line that names the key and says h
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import tomllib
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,6 +120,7 @@ class TrainConfig:
     diag_every: int = 50  # attention diagnostics on a fixed held-out batch every N steps; 0: off (no cost)
     diag_batch: int = 4  # sequences (of seq_len tokens) in the diagnostics probe batch
     nonfinite: str = "stop"  # non-finite loss or gradient: stop (end the run) | skip (do not apply the step)
+    skip_limit: float = 0.1  # nonfinite=skip: a run that skips more than this share of its steps fails (exit 1)
 
 
 @dataclass
@@ -129,7 +133,10 @@ class RunConfig:
 
     def validate(self) -> RunConfig:
         m, t, q = self.model, self.train, self.qk
-        _check(m.d_model > 0 and m.n_layers > 0 and m.n_heads > 0, "model sizes must be positive")
+        for key, ok, want in _RANGES:
+            value = getattr(getattr(self, key.split(".")[0]), key.split(".")[1])
+            _check(ok(value), f"{key}={value!r} is out of range; use {want}")
+        check_run_name(t.name, "train.name", allow_empty=True)
         _check(m.d_model % m.n_heads == 0,
                f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}; pick heads that divide the width")
         _check(m.head_dim % 2 == 0, f"head dim {m.head_dim} must be even for RoPE; change model.n_heads or d_model")
@@ -138,14 +145,12 @@ class RunConfig:
         _check(m.attn_impl in ("auto", "sdpa", "eager"), f"model.attn_impl='{m.attn_impl}': use auto, sdpa or eager")
         _check(m.attention in ("mha", "mla"), f"model.attention='{m.attention}': use mha or mla")
         if m.attention == "mla":
-            _check(min(m.q_rank, m.kv_rank, m.nope_dim, m.rope_dim, m.v_dim) >= 0,
-                   "model.q_rank, kv_rank, nope_dim, rope_dim, v_dim must be >= 0 (0: the default)")
             _check(m.mla_dims.rope > 0 and m.mla_dims.rope % 2 == 0,
                    f"MLA rope width {m.mla_dims.rope} must be even and > 0; set model.rope_dim")
             _check(m.n_kv_heads == 0, "model.n_kv_heads is for attention=mha (GQA); leave it 0 with attention=mla")
-        _check(q.method in METHODS, f"qk.method='{q.method}' is unknown; choose one of {sorted(METHODS)}")
+        _check(q.method in METHODS, f"qk.method='{q.method}' is unknown; choose one of {', '.join(sorted(METHODS))}")
         _check(q.controller in CONTROLLERS,
-               f"qk.controller='{q.controller}' is unknown; choose one of {sorted(CONTROLLERS)}")
+               f"qk.controller='{q.controller}' is unknown; choose one of {', '.join(sorted(CONTROLLERS))}")
         _check(not (m.attn_impl == "sdpa" and METHODS[q.method].modifies_logits),
                f"qk.method='{q.method}' rewrites logits, which the fused sdpa path cannot do; "
                "set model.attn_impl=auto or eager")
@@ -165,13 +170,9 @@ class RunConfig:
         _check(t.schedule in ("cosine", "constant"), f"train.schedule='{t.schedule}': use cosine or constant")
         _check(t.dtype in ("fp32", "bf16"), f"train.dtype='{t.dtype}': use fp32 or bf16")
         _check(t.device in ("auto", "cpu", "cuda"), f"train.device='{t.device}': use auto, cpu or cuda")
-        _check(t.steps > 0 and t.batch_size > 0 and t.seq_len > 1 and t.grad_accum > 0,
-               "train.steps, batch_size, grad_accum must be > 0 and seq_len > 1")
         _check(t.seq_len <= m.max_seq_len,
                f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise max_seq_len")
-        _check(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
         _check(t.data_seed >= -1, f"train.data_seed={t.data_seed}: use -1 (follow train.seed) or a seed >= 0")
-        _check(t.diag_every >= 0 and t.diag_batch > 0, "train.diag_every must be >= 0 (0: off), train.diag_batch > 0")
         _check(t.nonfinite in ("stop", "skip"), f"train.nonfinite='{t.nonfinite}': use stop or skip")
         try:
             self.data.validate()
@@ -188,6 +189,115 @@ def _check(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _between(lo: float, hi: float, hi_open: bool = False) -> Callable[[Any], bool]:
+    return lambda v: lo <= v < hi if hi_open else lo <= v <= hi
+
+
+def _at_least(lo: float) -> Callable[[Any], bool]:
+    return lambda v: v >= lo
+
+
+def _above(lo: float) -> Callable[[Any], bool]:
+    return lambda v: v > lo
+
+
+# every numeric key and what a valid value is (types are checked on loading, non-finite floats refused)
+_RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
+    ("model.vocab_size", _at_least(0), "an integer >= 0 (0: the tokenizer's vocabulary)"),
+    ("model.d_model", _above(0), "an integer > 0"),
+    ("model.n_layers", _above(0), "an integer > 0"),
+    ("model.n_heads", _above(0), "an integer > 0"),
+    ("model.n_kv_heads", _at_least(0), "an integer >= 0 (0: same as n_heads)"),
+    ("model.d_ff", _at_least(0), "an integer >= 0 (0: 8/3 * d_model)"),
+    ("model.max_seq_len", _above(1), "an integer > 1"),
+    ("model.rope_theta", _above(0), "a number > 0, e.g. 10000"),
+    ("model.norm_eps", _above(0), "a small number > 0, e.g. 1e-6"),
+    ("model.init_std", _above(0), "a number > 0, e.g. 0.02"),
+    *((f"model.{k}", _at_least(0), "an integer >= 0 (0: the default)")
+      for k in ("q_rank", "kv_rank", "nope_dim", "rope_dim", "v_dim")),
+    ("train.seed", _between(0, 2**32 - 1), "an integer from 0 to 2**32 - 1"),
+    ("train.steps", _above(0), "an integer > 0"),
+    ("train.batch_size", _above(0), "an integer > 0"),
+    ("train.seq_len", _above(1), "an integer > 1"),
+    ("train.grad_accum", _above(0), "an integer > 0"),
+    ("train.lr", _above(0), "a number > 0, e.g. 3e-3"),
+    ("train.adam_lr", _at_least(0), "a number >= 0 (0: train.lr)"),
+    ("train.weight_decay", _at_least(0), "a number >= 0"),
+    ("train.beta1", _between(0, 1, hi_open=True), "a number in [0, 1), e.g. 0.9"),
+    ("train.beta2", _between(0, 1, hi_open=True), "a number in [0, 1), e.g. 0.95"),
+    ("train.muon_momentum", _between(0, 1, hi_open=True), "a number in [0, 1), e.g. 0.95"),
+    ("train.warmup_steps", _at_least(0), "an integer >= 0"),
+    ("train.min_lr_ratio", _between(0, 1), "a number in [0, 1]"),
+    ("train.grad_clip", _at_least(0), "a number >= 0 (0: off)"),
+    ("train.eval_every", _above(0), "an integer > 0 (steps between evaluations)"),
+    ("train.eval_batches", _above(0), "an integer > 0"),
+    ("train.ckpt_every", _at_least(0), "an integer >= 0 (0: only at the end)"),
+    ("train.keep_ckpts", _above(0), "an integer > 0"),
+    ("train.log_every", _above(0), "an integer > 0 (steps between metric records)"),
+    ("train.threads", _at_least(0), "an integer >= 0 (0: torch's default)"),
+    ("train.diag_every", _at_least(0), "an integer >= 0 (0: off)"),
+    ("train.diag_batch", _above(0), "an integer > 0"),
+    ("train.skip_limit", _between(0, 1), "a share in [0, 1], e.g. 0.1"),
+]
+
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]{0,127}")
+
+
+def check_run_name(name: str, key: str = "train.name", allow_empty: bool = False) -> str:
+    """A run name is a plain folder name: letters, digits and ``. _ + = -``, not starting with a dot, so
+    that it can never name a parent folder, an absolute path or a sub-folder."""
+    if not (allow_empty and name == "") and not RUN_NAME.fullmatch(name):
+        raise ConfigError(f"{key}={name!r} is not a plain run name; use letters, digits and . _ + = - "
+                          "(no slashes, not starting with a dot, at most 128 characters)")
+    return name
+
+
+def check_methods(names: list[str]) -> list[str]:
+    """Check a list of qk.method values (e.g. ``qklab demo --methods``) before any training starts."""
+    bad = [n for n in names if n not in METHODS]
+    if not names or bad:
+        raise ConfigError(f"unknown qk.method {', '.join(repr(n) for n in bad) or 'list (empty)'}; "
+                          f"choose from {', '.join(sorted(METHODS))}, comma-separated")
+    return names
+
+
+# keys that may differ between a run and its resumption: its length, how often it logs, evaluates and
+# saves, where and on what it runs, and the remedies a non-finite stop suggests (lr, clipping, skipping)
+RESUMABLE = frozenset({
+    "preset", "train.name", "train.out_dir", "train.steps", "train.log_every", "train.eval_every",
+    "train.eval_batches", "train.ckpt_every", "train.keep_ckpts", "train.progress", "train.threads",
+    "train.device", "train.compile", "train.diag_every", "train.diag_batch", "train.nonfinite",
+    "train.skip_limit", "train.lr", "train.grad_clip", "data.cache_dir",
+})
+
+
+def comparable(cfg: RunConfig) -> dict[str, Any]:
+    """``cfg.to_dict()`` with the options of the active method and controller filled in (defaults
+    included): the form saved in checkpoints and compared on resume."""
+    d = cfg.to_dict()
+    for name in (cfg.qk.method, cfg.qk.controller):
+        d["qk"]["options"][name] = dataclasses.asdict(cfg.qk.opts(name))
+    return d
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat(v, "qk." if key == "qk.options" else key + "."))  # [qk.<method>] options
+        else:
+            out[key] = v
+    return out
+
+
+def resume_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """``key old -> new`` for each key that differs and may not change on resume. Keys the saved config
+    lacks (added by a later version of qklab) are not compared."""
+    a, b = _flat(saved), _flat(now)
+    return [f"{k} {a[k]!r} -> {b.get(k)!r}" for k in sorted(a) if k not in RESUMABLE and a[k] != b.get(k)]
+
+
 # ---------------------------------------------------------------------------------------------------
 # loading
 
@@ -200,8 +310,11 @@ def resolve_preset(spec: str) -> Path:
     for cand in (p, PRESET_DIR / p.name, PRESET_DIR / f"{spec}.toml"):
         if cand.is_file():
             return cand
-    names = sorted(x.stem for x in PRESET_DIR.glob("*.toml"))
-    raise ConfigError(f"config '{spec}' not found; give a TOML path or a preset name: {', '.join(names)}")
+    raise ConfigError(f"config '{spec}' not found; give a TOML path or a preset name: {', '.join(preset_names())}")
+
+
+def preset_names() -> list[str]:
+    return sorted(x.stem for x in PRESET_DIR.glob("*.toml"))
 
 
 def load_config(spec: str | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -249,9 +362,13 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
             opts_cls = {**METHODS, **CONTROLLERS}[key].Options
             kwargs.setdefault("options", {})[key] = from_dict(opts_cls, value, f"{prefix}{key}.")
             continue
+        if cls is QKConfig and key in {**METHODS, **CONTROLLERS}:
+            raise ConfigError(f"'{prefix}{key}' is the section of {key}'s options, not a value; set one of them, "
+                              f"e.g. {prefix}{key}.<option>=..., or choose it with qk.method / qk.controller")
         if key not in names or key == "options":
             known = sorted(names - {"options"})
-            raise ConfigError(f"unknown key '{prefix}{key}'; known keys here: {', '.join(known)}")
+            more = f"; method options: {prefix}<method>.<option>" if cls is QKConfig else ""
+            raise ConfigError(f"unknown key '{prefix}{key}'; known keys here: {', '.join(known)}{more}")
         kwargs[key] = _coerce(value, hints[key], f"{prefix}{key}")
     return cls(**kwargs)
 
@@ -266,6 +383,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return None
         return _coerce(value, args[0], key)
     if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ConfigError(f"'{key}' must be a finite number, got {value!r}")
         return float(value)
     if tp is int and isinstance(value, int) and not isinstance(value, bool):
         return value

@@ -42,8 +42,8 @@ def test_resume_is_bitwise_exact(tmp_path, optimizer, controller):
     for _ in range(10):
         part.train_step()
     part.save()
-    part.metrics.close()
-    del part  # "crash" after the step-10 checkpoint
+    part.close()
+    del part  # "crash" after the step-10 checkpoint (a dead process holds no lock)
     resumed = Trainer(_cfg(tmp_path, "part", *opt), resume=True, log=lambda s: None)
     assert resumed.step == 10
     resumed.run()

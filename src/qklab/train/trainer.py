@@ -9,6 +9,7 @@ import platform
 import random
 import subprocess
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,16 +18,27 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from qklab.config import ConfigError, RunConfig
+from qklab.config import ConfigError, RunConfig, check_run_name, comparable, resume_changes
 from qklab.data import PreparedData, TokenLoader, prepare_data
+from qklab.data.retrieval import train_loader
 from qklab.diagnostics.monitor import AttentionMonitor
 from qklab.diagnostics.stability import NonFiniteError, SpikeDetector
 from qklab.methods import CONTROLLERS
 from qklab.model import GPT
-from qklab.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from qklab.train.checkpoint import (
+    complete_checkpoints,
+    latest_checkpoint,
+    load_weights,
+    newest_usable,
+    remove_stale_temps,
+    save_checkpoint,
+)
 from qklab.train.evaluate import eval_loss, max_attention_logits
+from qklab.train.files import atomic_write_text
 from qklab.train.metrics import MetricsLog
 from qklab.train.optim import build_optimizer, lr_mult, set_lr
+from qklab.train.runfolder import RunFolder
+from qklab.train.signals import RunInterrupted, StopSignals
 
 
 def git_sha() -> str:
@@ -62,9 +74,10 @@ def pick_device(spec: str) -> torch.device:
 
 def run_name(cfg: RunConfig) -> str:
     if cfg.train.name:
-        return cfg.train.name
+        return check_run_name(cfg.train.name)
     qk = cfg.qk.method + ("" if cfg.qk.controller == "none" else f"+{cfg.qk.controller}")
-    return f"{cfg.preset or 'run'}-{qk}-s{cfg.train.seed}"
+    return check_run_name(f"{cfg.preset or 'run'}-{qk}-s{cfg.train.seed}", "the run name derived from the preset "
+                          "(set train.name)")
 
 
 @dataclass
@@ -74,29 +87,36 @@ class TrainResult:
     max_logit: float
     tokens_per_s: float
     steps: int
+    skipped: int = 0  # steps dropped under train.nonfinite=skip
 
 
 class Trainer:
     def __init__(self, cfg: RunConfig, resume: bool = False, overwrite: bool = False,
                  data: PreparedData | None = None, log=print) -> None:
         self.cfg, self.log = cfg, log
-        t = cfg.train
+        self.run_dir = Path(cfg.train.out_dir) / run_name(cfg)
+        self.ckpt_dir = self.run_dir / "ckpt"
+        self.folder = RunFolder(self.run_dir, overwrite=overwrite and not resume)  # locked: one writer at a time
+        try:
+            self._build(resume, overwrite, data)
+        except BaseException:  # nothing half-made stays behind: the lock goes, a folder made just now too
+            self.folder.abandon()
+            raise
+
+    def _build(self, resume: bool, overwrite: bool, data: PreparedData | None) -> None:
+        cfg, log, t = self.cfg, self.log, self.cfg.train
         if t.threads:
             torch.set_num_threads(t.threads)
         self.device = pick_device(t.device)
-        self.run_dir = Path(t.out_dir) / run_name(cfg)
-        self.ckpt_dir = self.run_dir / "ckpt"
-        if self.run_dir.exists() and not resume:
-            if not overwrite and latest_checkpoint(self.ckpt_dir) is not None:
-                raise ConfigError(f"run folder {self.run_dir} already has checkpoints; pass --resume to continue "
-                                  "it, --overwrite to start again, or set train.name")
-            if overwrite:
-                import shutil
-                shutil.rmtree(self.run_dir)
-        resume_from = latest_checkpoint(self.ckpt_dir) if resume else None
-        if resume and resume_from is None:
-            raise ConfigError(f"--resume: no checkpoint in {self.ckpt_dir}; start the run without --resume")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(self.ckpt_dir)  # left by a killed writer or a full disk; frees the space first
+        found = newest_usable(self.ckpt_dir, warn=self._say) if resume else None
+        if resume and found is None:
+            raise ConfigError(f"--resume: no usable checkpoint in {self.ckpt_dir}; start the run without --resume")
+        if found is not None:
+            self._check_resume_config(found[1].get("config") or {})
+        if not resume and not overwrite and complete_checkpoints(self.ckpt_dir):
+            raise ConfigError(f"run folder {self.run_dir} already has checkpoints; pass --resume to continue "
+                              "it, --overwrite to start again, or set train.name")
 
         self.data = data or prepare_data(cfg.data, log=log)
         if cfg.model.vocab_size == 0:
@@ -109,7 +129,7 @@ class Trainer:
         self.optimizers = build_optimizer(self.model, t)
         self.controller = CONTROLLERS[cfg.qk.controller](self.model, self.optimizers, cfg.qk.opts(cfg.qk.controller))
         data_seed = t.seed if t.data_seed < 0 else t.data_seed  # a study fixes it: same tokens in every cell
-        self.loader = TokenLoader(self.data.train_tokens(), t.batch_size, t.seq_len, seed=data_seed)
+        self.loader = train_loader(self.data, t.batch_size, t.seq_len, data_seed, cfg.data.retrieval)
         # val_loss: the selection part of the held-out text; report_loss (final step only): the report part
         self.val_batches = TokenLoader.eval_batches(self.data.select_tokens(), t.batch_size, t.seq_len,
                                                     t.eval_batches, name="selection (held-out)")
@@ -119,10 +139,12 @@ class Trainer:
         self.monitor = (AttentionMonitor.from_tokens(self.data.val_tokens(), t.diag_batch, t.seq_len)
                         if t.diag_every else None)  # attention diagnostics; None: off
         self.spikes = SpikeDetector()
-        self.step = 0
-        if resume_from is not None:
-            self._restore(resume_from)
-            log(f"resumed {self.run_dir} at step {self.step} from {resume_from.name}")
+        self.step, self.skipped, self._saved_at = 0, 0, -1
+        if found is not None:
+            self._restore(*found)
+            self._say(f"resumed {self.run_dir} at step {self.step} from {found[0].name}")
+        elif overwrite:
+            self.folder.clear()  # only now: a run that fails to start leaves the old one intact
         self._write_config()
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", truncate_after=self.step if resume else -1)
 
@@ -135,7 +157,20 @@ class Trainer:
     def _write_config(self) -> None:
         info = {**self.cfg.to_dict(), "git_sha": git_sha(), "corpus": self.data.fingerprint,
                 "versions": versions(), "n_params": self.model.num_params(), "device": str(self.device)}
-        (self.run_dir / "config.json").write_text(json.dumps(info, indent=2) + "\n")
+        atomic_write_text(self.run_dir / "config.json", json.dumps(info, indent=2) + "\n")
+
+    def _say(self, msg: str, echo: bool = True) -> None:
+        """A message for the user (``echo``), kept in the run's log (train.log) either way."""
+        if echo:
+            self.log(msg)
+        with contextlib.suppress(OSError), open(self.run_dir / "train.log", "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
+
+    def close(self) -> None:
+        """Close the metrics file and release the run folder (run() does this when it ends)."""
+        if hasattr(self, "metrics"):
+            self.metrics.close()
+        self.folder.release()
 
     def _state(self) -> dict[str, Any]:
         return {"optimizers": [o.state_dict() for o in self.optimizers],
@@ -143,10 +178,19 @@ class Trainer:
                 "loader": self.loader.state_dict(),
                 "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
                         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-                "spikes": self.spikes.state_dict(), "config": self.cfg.to_dict()}
+                "spikes": self.spikes.state_dict(), "skipped": self.skipped, "config": comparable(self.cfg)}
 
-    def _restore(self, path: Path) -> None:
-        state = load_checkpoint(path, self.model)
+    def _check_resume_config(self, saved: dict[str, Any]) -> None:
+        now = comparable(self.cfg)
+        if now["model"]["vocab_size"] == 0:  # not filled in from the tokenizer yet; checked against it later
+            now["model"]["vocab_size"] = saved.get("model", {}).get("vocab_size", 0)
+        changes = resume_changes(saved, now)
+        if changes:
+            raise ConfigError(f"--resume with a changed config: {'; '.join(changes)}. These cannot change within a "
+                              "run; undo the change, or start a new run with another train.name")
+
+    def _restore(self, path: Path, state: dict[str, Any]) -> None:
+        load_weights(path, self.model)
         for opt, sd in zip(self.optimizers, state["optimizers"], strict=True):
             opt.load_state_dict(sd)
         self.controller.load_state_dict(state["controller"])
@@ -157,7 +201,7 @@ class Trainer:
         random.setstate(rng["python"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
-        self.step = state["step"]
+        self.step, self.skipped = state["step"], state.get("skipped", 0)
         self.spikes.load_state_dict(state.get("spikes", {}))
 
     def save(self) -> Path:
@@ -165,7 +209,9 @@ class Trainer:
             self.metrics.log(self.step, event="nonfinite_weights")
             raise NonFiniteError(f"weights are non-finite at step {self.step}; no checkpoint written, the last good "
                                  f"one is {latest_checkpoint(self.ckpt_dir) or 'none'}")
-        return save_checkpoint(self.ckpt_dir, self.step, self.model, self._state(), keep=self.cfg.train.keep_ckpts)
+        path = save_checkpoint(self.ckpt_dir, self.step, self.model, self._state(), keep=self.cfg.train.keep_ckpts)
+        self._saved_at = self.step
+        return path
 
     # ------------------------------------------------------------------------------------------------
     def train_step(self) -> tuple[float, float]:
@@ -190,6 +236,7 @@ class Trainer:
         else:
             self._nonfinite(loss, gn)  # raises under train.nonfinite=stop; skip: the step is not applied
             self.controller.skip_step(self.step)
+            self.skipped += 1
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self.step += 1
@@ -220,7 +267,9 @@ class Trainer:
                    dynamic_ncols=True, leave=True)
         last = {}
         tps_hist: list[float] = []
+        stop = StopSignals()  # SIGTERM / SIGINT: checkpoint at the next step boundary, then RunInterrupted
         try:
+            stop.install()
             if self.monitor is not None:  # the reference for the first logit change; logged at step 0 only
                 base = self.monitor.measure(self.model, self.step)
                 if self.step == 0:
@@ -247,19 +296,36 @@ class Trainer:
                     if self.step == t.steps:  # the report split is read once, at the end
                         rec["report_loss"] = eval_loss(self.model, self.report_batches, self.device, self.autocast)
                     bar.write(f"step {self.step}: val_loss {last['val_loss']:.4f}  max_logit {last['max_logit']:.2f}")
-                if self.monitor is not None and self.step % t.diag_every == 0:
+                if self.monitor is not None and (self.step % t.diag_every == 0 or self.step == t.steps):
                     rec["diag"] = self.monitor.measure(self.model, self.step)
                 if rec:
                     self.metrics.log(self.step, **rec)
                 if (t.ckpt_every and self.step % t.ckpt_every == 0) or self.step == t.steps:
                     self.save()
+                if stop.received is not None:
+                    self._stop_on_signal(stop.name, stop.received)
+        except Exception as e:  # the whole story goes to the run's log; the CLI prints one line or the traceback
+            trace = "" if isinstance(e, RunInterrupted | NonFiniteError) else "\n" + traceback.format_exc()
+            self._say(f"ended at step {self.step}: {type(e).__name__}: {e}{trace}", echo=False)
+            e.add_note(f"run log: {self.run_dir / 'train.log'}")
+            raise
         finally:
+            stop.restore()
             bar.close()
-            self.metrics.close()
+            self.close()
         if not last:
             last = self.evaluate()
         steady = tps_hist[len(tps_hist) // 5 :] or tps_hist or [0.0]
-        return TrainResult(self.run_dir, last["val_loss"], last["max_logit"], float(np.median(steady)), self.step)
+        self._say(f"done at step {self.step}: val_loss {last['val_loss']:.4f}, skipped {self.skipped} steps",
+                  echo=False)
+        return TrainResult(self.run_dir, last["val_loss"], last["max_logit"], float(np.median(steady)), self.step,
+                           self.skipped)
+
+    def _stop_on_signal(self, name: str, signum: int) -> None:
+        path = self.save() if self._saved_at != self.step else self.ckpt_dir / f"step_{self.step:07d}"
+        self.metrics.log(self.step, event="signal", signal=name)
+        raise RunInterrupted(f"stopped by {name} at step {self.step}; checkpoint {path} written; continue with "
+                             "--resume", signum)
 
 
 def _seed_everything(seed: int) -> None:

@@ -1,0 +1,57 @@
+"""SIGTERM and SIGINT end a run at the next step boundary, after a checkpoint.
+
+Schedulers send SIGTERM before they kill a job, and Ctrl-C sends SIGINT. While ``StopSignals`` is
+active the first of either only sets a flag; the training loop checks it after each step, writes a
+checkpoint and raises ``RunInterrupted``. A second signal interrupts at once (KeyboardInterrupt): the
+last checkpoint is intact either way, since checkpoints are written atomically.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+
+
+class RunInterrupted(Exception):
+    """The run stopped on a signal after writing a checkpoint; ``exit_code`` is 128 + the signal number."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class StopSignals:
+    """Context manager: record SIGTERM/SIGINT instead of dying; ``received`` holds the first one's number."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._old: dict[int, object] = {}
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        if self.received is not None:  # asked twice: stop now
+            raise KeyboardInterrupt
+        self.received = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.received).name if self.received is not None else ""
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            for s in self.SIGNALS:
+                self._old[s] = signal.signal(s, self._handle)
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old.clear()
+
+    def __enter__(self) -> StopSignals:
+        self.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
