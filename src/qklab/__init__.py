@@ -1,3 +1,16 @@
 """qklab: control the query-key part of transformer attention."""
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``qklab.attach`` and ``qklab.hf``, imported on first use (transformers stays optional)."""
+    if name == "attach":
+        from qklab.hf.attach import attach
+
+        return attach
+    if name == "hf":
+        import importlib
+
+        return importlib.import_module("qklab.hf")
+    raise AttributeError(f"module 'qklab' has no attribute '{name}'")

@@ -21,7 +21,9 @@ from torch import nn
 @dataclass
 class HeadMatrix:
     """One matrix on the logit path: ``weight`` (n_heads * rows, C) split into n_heads row blocks
-    (n_heads = 1 for a matrix shared by all heads)."""
+    (n_heads = 1 for a matrix shared by all heads), or already as a (n_heads, rows, C) view into a
+    parameter whose head blocks are strided (e.g. DeepSeek's q_b_proj, whose heads interleave the nope
+    and rope rows; a fused QKV matrix); in-place updates of the view reach the parameter."""
 
     name: str
     weight: nn.Parameter
@@ -29,6 +31,8 @@ class HeadMatrix:
 
     def heads(self, w: torch.Tensor | None = None) -> torch.Tensor:
         w = self.weight if w is None else w
+        if w.dim() == 3:
+            return w
         return w.view(self.n_heads, -1, w.shape[-1])  # (n_heads, rows, C)
 
     def head_norms(self, kind: str = "fro") -> torch.Tensor:
@@ -37,6 +41,13 @@ class HeadMatrix:
         if kind == "spectral":
             return torch.linalg.matrix_norm(blocks, ord=2)
         return blocks.flatten(1).norm(dim=1)
+
+
+def attention_layers(model: nn.Module) -> list:
+    """The attention layers a controller acts on: qklab's GPT blocks, or ``model.qk_layers`` (any model
+    wrapped by ``qklab.attach``: objects with the same weight attributes and max-logit tracker)."""
+    layers = getattr(model, "qk_layers", None)
+    return list(layers) if layers is not None else [b.attn for b in model.blocks]
 
 
 def is_mla(attn: nn.Module) -> bool:

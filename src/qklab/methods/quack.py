@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from qklab.methods.base import QKController
-from qklab.methods.headwise import HeadScaledUpdate, is_mla, logit_matrices
+from qklab.methods.headwise import HeadScaledUpdate, attention_layers, is_mla, logit_matrices
 
 
 @dataclass
@@ -65,7 +65,7 @@ class QuacK(QKController):
 
     def __init__(self, model, optimizer, opts: QuacKOptions) -> None:
         super().__init__(model, optimizer, opts)
-        self.attns = [b.attn for b in model.blocks]
+        self.attns = attention_layers(model)
         self.names = [list(logit_matrices(a)) for a in self.attns]
         self.update = HeadScaledUpdate([m for a in self.attns for m in logit_matrices(a).values()])
         self.phi0 = [partner_factors(a, opts.norm) for a in self.attns]  # at initialisation

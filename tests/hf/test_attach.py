@@ -1,0 +1,214 @@
+"""qklab.attach and QKCallback: Q/K weights found by name (Llama, Qwen3, DeepSeek-V3) or given explicitly
+(a fused c_attn, GPT-2's transposed Conv1D), and the controllers' per-head effect against references
+written out here (plain loops, norms and logits computed directly)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+import qklab  # noqa: E402
+from qklab.hf.layers import LayerSpec, find_layers  # noqa: E402
+from tests.hf.common import HKV, H, tiny_model  # noqa: E402
+
+
+def _aliases(view: torch.Tensor, param: torch.Tensor) -> bool:
+    """In-place changes of the view reach the parameter."""
+    before = param.detach().clone()
+    with torch.no_grad():
+        view.mul_(2.0)
+    changed = not torch.equal(param.detach(), before)
+    with torch.no_grad():
+        view.mul_(0.5)
+    return changed and torch.equal(param.detach(), before)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_finds_llama_style_layers(family):
+    model = tiny_model(family)
+    layers = find_layers(model)
+    assert len(layers) == 2
+    a = model.model.layers[1].self_attn
+    L = layers[1]
+    assert (L.n_heads, L.n_kv_heads) == (H, HKV) and L.module is a
+    assert L.wq.weight.shape == (H, 16, 64) and L.wk.weight.shape == (HKV, 16, 64)
+    assert torch.equal(L.wq.weight[2], a.q_proj.weight[32:48])
+    assert _aliases(L.wq.weight, a.q_proj.weight) and _aliases(L.wk.weight, a.k_proj.weight)
+
+
+def _deepseek(q_lora=20):
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=101, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=H, num_key_value_heads=H, q_lora_rank=q_lora, kv_lora_rank=24, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=2, max_position_embeddings=64,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1)
+    torch.manual_seed(0)
+    return transformers.DeepseekV3ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("q_lora", [20, None])
+def test_finds_deepseek_mla_layers(q_lora):
+    model = _deepseek(q_lora)
+    a = model.model.layers[0].self_attn
+    L = find_layers(model)[0]
+    qb = (a.q_b_proj if q_lora else a.q_proj).weight.view(H, 24, -1)
+    assert torch.equal(L.wuq.weight, qb[:, :16]) and torch.equal(L.wqr.weight, qb[:, 16:])
+    kvb = a.kv_b_proj.weight.view(H, 28, 24)
+    assert torch.equal(L.wuk.weight, kvb[:, :16])
+    assert torch.equal(L.wdkv.weight, a.kv_a_proj_with_mqa.weight[:24])
+    assert torch.equal(L.wkr.weight, a.kv_a_proj_with_mqa.weight[24:])
+    assert (L.wdq is None) == (q_lora is None)
+    assert _aliases(L.wqr.weight, qb) and _aliases(L.wuk.weight, a.kv_b_proj.weight)
+
+
+class FusedGPT(nn.Module):
+    """A nanoGPT-style model: one fused c_attn (3C, C) per block, learned positions, causal attention."""
+
+    def __init__(self, C=32, n_heads=4, layers=2, vocab=50, T=16):
+        super().__init__()
+        self.H = n_heads
+        self.wte, self.wpe = nn.Embedding(vocab, C), nn.Embedding(T, C)
+        self.c_attn = nn.ModuleList(nn.Linear(C, 3 * C, bias=False) for _ in range(layers))
+        self.c_proj = nn.ModuleList(nn.Linear(C, C, bias=False) for _ in range(layers))
+        self.head = nn.Linear(C, vocab, bias=False)
+
+    def forward(self, idx):
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(T))
+        for qkv, proj in zip(self.c_attn, self.c_proj, strict=True):
+            q, k, v = (t.view(B, T, self.H, -1).transpose(1, 2) for t in qkv(x).chunk(3, dim=-1))
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + proj(y.transpose(1, 2).reshape(B, T, -1))
+        return self.head(x)
+
+
+def _fused_inputs(model, idx):
+    """The input of every FusedGPT layer, recomputed."""
+    B, T = idx.shape
+    xs = [model.wte(idx) + model.wpe(torch.arange(T))]
+    for qkv, proj in zip(model.c_attn, model.c_proj, strict=True):
+        q, k, v = (t.view(B, T, model.H, -1).transpose(1, 2) for t in qkv(xs[-1]).chunk(3, dim=-1))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        xs.append(xs[-1] + proj(y.transpose(1, 2).reshape(B, T, -1)))
+    return xs[:-1]
+
+
+def _fused_logit_max(model, x, layer):
+    """Per-head max causal logit of one FusedGPT layer on its input x (B, T, C), written out."""
+    B, T, _ = x.shape
+    q, k, _ = (t.view(B, T, model.H, -1).transpose(1, 2) for t in model.c_attn[layer](x).chunk(3, dim=-1))
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    return s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")).amax(dim=(0, 2, 3))
+
+
+def _fused_specs(C=32):
+    return [LayerSpec(q=f"c_attn.{i}.weight[0:{C}]", k=f"c_attn.{i}.weight[{C}:{2 * C}]", n_heads=4)
+            for i in range(2)]
+
+
+def test_qkclip_on_fused_qkv_clips_each_head_to_tau():
+    torch.manual_seed(0)
+    model = FusedGPT()
+    with torch.no_grad():
+        for lin in model.c_attn:
+            lin.weight[:64].mul_(torch.linspace(2, 8, 64).view(-1, 1))  # heads with different logit scales
+    idx = torch.randint(0, 50, (3, 16))
+    with torch.no_grad():
+        xs = _fused_inputs(model, idx)
+        s0 = [_fused_logit_max(model, xs[i], i) for i in range(2)]
+    tau = float(torch.cat(s0).median())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the step changes nothing: the clip alone acts
+    handle = qklab.attach(model, opt, "qkclip", layers=_fused_specs(), tau_clip=tau)
+    model.train()
+    model(idx).sum().backward()
+    opt.step()  # hooks: before_step / after_step around it
+    with torch.no_grad():  # each layer on the input it had in the training forward
+        s1 = [_fused_logit_max(model, xs[i], i) for i in range(2)]
+    for i in range(2):
+        torch.testing.assert_close(s1[i], torch.minimum(s0[i], torch.tensor(tau)), rtol=1e-5, atol=1e-5)
+        assert (s0[i] > tau).any() or i == 1
+    assert handle.controller.metrics()["qkclip_heads_clipped"] == int(sum((s > tau).sum() for s in s0))
+    # the per-head max logits the hooks saw are the same as the written-out ones
+    heads = handle.metrics()["max_logit_per_head"]
+    torch.testing.assert_close(torch.tensor(heads), torch.stack(s0), rtol=1e-5, atol=1e-5)
+
+
+def test_qkclip_on_gpt2_transposed_conv1d():
+    cfg = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=1, n_head=4, bos_token_id=0,
+                                  eos_token_id=0, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    with torch.no_grad():
+        model.transformer.h[0].attn.c_attn.weight[:, :32].mul_(torch.linspace(5, 40, 32))
+    spec = LayerSpec(q="transformer.h.0.attn.c_attn.weight[0:32]", k="transformer.h.0.attn.c_attn.weight[32:64]",
+                     n_heads=4, transposed=True)
+    captured = {}
+    model.transformer.h[0].attn.register_forward_pre_hook(lambda m, a: captured.setdefault("x", a[0].detach()))
+    idx = torch.randint(0, 50, (2, 16))
+
+    def head_max():
+        x = captured.pop("x")
+        q, k, _ = model.transformer.h[0].attn.c_attn(x).split(32, dim=-1)
+        q, k = (t.view(2, 16, 4, 8).transpose(1, 2) for t in (q, k))
+        s = q @ k.transpose(-2, -1) / math.sqrt(8)
+        return s.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf")).amax(dim=(0, 2, 3))
+
+    with torch.no_grad():
+        model(idx)
+        s0 = head_max()
+    tau = float(s0.median())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    qklab.attach(model, opt, "qkclip", layers=[spec], tau_clip=tau)
+    model.train()
+    model(idx).logits.sum().backward()
+    opt.step()
+    model.eval()
+    with torch.no_grad():
+        model(idx)
+        s1 = head_max()
+    torch.testing.assert_close(s1, torch.minimum(s0, torch.tensor(tau)), rtol=1e-5, atol=1e-5)
+    assert (s0 > tau).any() and (s0 < tau).any()
+
+
+def test_quack_scales_each_heads_update_by_partner_norm_ratio():
+    torch.manual_seed(1)
+    model = FusedGPT()
+    plain = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt_plain = torch.optim.Adam(plain.parameters(), lr=1e-2)
+    qklab.attach(model, opt, "quack", layers=_fused_specs(), tau=0.5)
+    C, d = 32, 8
+    w0 = model.c_attn[0].weight.detach().clone()
+    with torch.no_grad():  # partner norms move away from their init, head by head
+        for m in (model, plain):
+            m.c_attn[0].weight[C:2 * C].mul_(torch.linspace(0.5, 2.0, C).view(-1, 1))
+    w1 = model.c_attn[0].weight.detach().clone()
+    idx = torch.randint(0, 50, (3, 16))
+    for m, o in ((model, opt), (plain, opt_plain)):
+        m(idx).logsumexp(-1).mean().backward()
+        o.step()
+    delta, delta_plain = model.c_attn[0].weight - w1, plain.c_attn[0].weight - w1
+    for h in range(4):
+        k0, k1 = w0[C + h * d: C + (h + 1) * d].norm(), w1[C + h * d: C + (h + 1) * d].norm()
+        q0, q1 = w0[h * d:(h + 1) * d].norm(), w1[h * d:(h + 1) * d].norm()
+        rq, rk = slice(h * d, (h + 1) * d), slice(C + h * d, C + (h + 1) * d)
+        torch.testing.assert_close(delta[rq], 0.5 * k0 / k1 * delta_plain[rq], rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(delta[rk], 0.5 * q0 / q1 * delta_plain[rk], rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(delta[2 * C:], delta_plain[2 * C:])  # V is left alone
+
+
+def test_attach_refuses_bad_input():
+    model = FusedGPT()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="unknown controller"):
+        qklab.attach(model, opt, "quak")
+    with pytest.raises(ValueError, match="no attention layers found"):
+        qklab.attach(model, opt, "quack")
+    with pytest.raises(ValueError, match="no parameter"):
+        qklab.attach(model, opt, "quack", layers=[LayerSpec(q="c_attn.7.weight", k="c_attn.0.weight", n_heads=4)])
