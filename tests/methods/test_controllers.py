@@ -433,3 +433,80 @@ def test_qkclip_on_softcap_clips_the_raw_logits_exactly():
     before, after = _clip_once(model, _blow_q([0, 2], 400.0), 10.0, {})
     assert (before[:, [0, 2]] > 10.0).all() and (before < 20.0).all()
     torch.testing.assert_close(after, torch.minimum(before, torch.tensor(10.0)), rtol=1e-4, atol=1e-5)
+
+
+# --- QuacK options: clamp, decay at the base rate, RMSNorm gains in the norms -------------------------
+
+
+def test_quack_clamp_keeps_factors_within_bounds():
+    model = tiny_gpt(n_kv_heads=2)
+    free, clamped = QuacK(model, [], QuacKOptions(tau=0.5)), QuacK(model, [], QuacKOptions(tau=0.5, clamp=1.5))
+    _perturb_norms(model)  # partner norms change by 0.5x .. 2x
+    for f, c in zip(free.factors(), clamped.factors(), strict=True):
+        for k in f:
+            torch.testing.assert_close(c[k], f[k].clamp(0.5 / 1.5, 0.5 * 1.5))
+        assert any(not torch.equal(f[k], c[k]) for k in f)  # the clamp did bind somewhere
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_quack_decay_at_base_rate(optimizer):
+    """decay=base: each head moves by -lr wd p_old - f lr u, i.e. the optimizer at rate lr f with weight
+    decay wd / f (the decay term lr wd unchanged)."""
+    model = tiny_gpt()
+    lr, wd = (1e-2, 0.1) if optimizer == "adamw" else (0.02, 0.1)
+    opts = build_optimizer(model, TrainConfig(optimizer=optimizer, lr=lr, weight_decay=wd))
+    ctrl = QuacK(model, opts, QuacKOptions(tau=0.7, decay="base"))
+    _perturb_norms(model)
+    a = model.blocks[0].attn
+    w0 = a.wq.weight.detach().clone()
+    _grads(model)
+    g = a.wq.weight.grad.clone()
+    fq = ctrl.factors()[0]["wq"]
+    _step(model, opts, ctrl)
+    d = a.head_dim
+    for h in range(a.n_heads):
+        f = fq[h].item()
+        if optimizer == "adamw":
+            ref = torch.nn.Parameter(w0[h * d : (h + 1) * d].clone())
+            ref.grad = g[h * d : (h + 1) * d].clone()
+            torch.optim.AdamW([ref], lr=lr * f, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd / f).step()
+            want = ref
+        else:  # Muon orthogonalises the packed matrix: the head's slice of a packed step at lr f, wd / f
+            ref = torch.nn.Parameter(w0.clone())
+            ref.grad = g.clone()
+            torch.optim.Muon([ref], lr=lr * f, weight_decay=wd / f, momentum=0.95,
+                             adjust_lr_fn="match_rms_adamw").step()
+            want = ref[h * d : (h + 1) * d]
+        torch.testing.assert_close(a.wq.weight[h * d : (h + 1) * d], want, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(fq, torch.full_like(fq, 0.7))
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_quack_gains_fold_rmsnorm_gains_into_the_norms(mla):
+    model = _mla() if mla else tiny_gpt(n_kv_heads=2)
+    ctrl = QuacK(model, [], QuacKOptions(gains=True))
+    b = model.blocks[1]
+    g0 = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # the gains move, the matrices do not
+        b.attn_norm.weight.copy_(torch.rand(64, generator=g0) * 2 + 0.2)
+        if mla:
+            b.attn.kv_norm.weight.mul_(3.0)
+            b.attn.q_norm.weight.copy_(torch.rand(24, generator=g0) + 0.5)
+    f = ctrl.factors()[1]
+    a = b.attn
+    if not mla:
+        gam = b.attn_norm.weight.detach()
+        kn = [(a.wk.weight[j * 16 : (j + 1) * 16] * gam).norm().item() for j in range(2)]
+        kn0 = [a.wk.weight[j * 16 : (j + 1) * 16].norm().item() for j in range(2)]  # gains were 1 at init
+        want = torch.tensor([kn0[h // 2] / kn[h // 2] for h in range(4)])
+        torch.testing.assert_close(f["wq"], want, rtol=1e-5, atol=0)
+    else:  # W_uq^h partners: ||W_dq diag(g)|| ||W_uk^h diag(g_kv)|| ||W_dkv diag(g)||; W_uk scales 3x
+        gam, gq = b.attn_norm.weight.detach(), a.q_norm.weight.detach()
+        ratio_dq = a.wdq.weight.norm() / (a.wdq.weight * gam).norm()
+        ratio_dkv = a.wdkv.weight.norm() / (a.wdkv.weight * gam).norm()
+        torch.testing.assert_close(f["wuq"], torch.full((4,), (ratio_dq * ratio_dkv / 3.0).item()), rtol=1e-5, atol=0)
+        uq = a.wuq.weight.view(4, 8, 24)
+        want_uk = ratio_dq * ratio_dkv * uq.flatten(1).norm(dim=1) / (uq * gq).flatten(1).norm(dim=1)
+        torch.testing.assert_close(f["wuk"], want_uk.detach(), rtol=1e-5, atol=0)
+    plain = QuacK(model, [], QuacKOptions()).factors()[1]  # without gains: built now, so all 1
+    assert all(torch.allclose(v, torch.ones_like(v)) for v in plain.values())

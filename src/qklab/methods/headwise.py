@@ -35,9 +35,12 @@ class HeadMatrix:
             return w
         return w.view(self.n_heads, -1, w.shape[-1])  # (n_heads, rows, C)
 
-    def head_norms(self, kind: str = "fro") -> torch.Tensor:
-        """(n_heads,) Frobenius or spectral norm of each head's block."""
+    def head_norms(self, kind: str = "fro", gain: torch.Tensor | None = None) -> torch.Tensor:
+        """(n_heads,) Frobenius or spectral norm of each head's block; with ``gain`` (C,), of the block
+        times diag(gain) (an RMSNorm gain on the matrix's input folded in)."""
         blocks = self.heads().detach().float()
+        if gain is not None:
+            blocks = blocks * gain.detach().float().to(blocks.device)
         if kind == "spectral":
             return torch.linalg.matrix_norm(blocks, ord=2)
         return blocks.flatten(1).norm(dim=1)
@@ -85,12 +88,28 @@ class HeadScaledUpdate:
         self._before = [m.weight.detach().clone() for m in self.mats]
 
     @torch.no_grad()
-    def apply(self, factors: list[torch.Tensor]) -> None:
-        """factors[i]: (n_heads,) for mats[i]. Call right after optimizer.step()."""
+    def apply(self, factors: list[torch.Tensor], decay: list[float] | None = None) -> None:
+        """factors[i]: (n_heads,) for mats[i]. Call right after optimizer.step().
+
+        decay[i] (optional): lr * weight_decay of mats[i]'s group in that step. The decoupled decay is
+        then kept at the group's rate instead of scaling with the factor: AdamW and Muon change p by
+        -lr wd p_old - lr u, so p_old + f (p_new - p_old) + (f - 1) lr wd p_old = p_old - lr wd p_old - f lr u."""
         assert self._before is not None, "snapshot() must run before the optimizer step"
-        for m, old, f in zip(self.mats, self._before, factors, strict=True):
+        for i, (m, old, f) in enumerate(zip(self.mats, self._before, factors, strict=True)):
             new = m.heads()  # view into the parameter
             oldh = m.heads(old)
             f = f.to(new.device, new.dtype).view(-1, 1, 1)
-            new.copy_(oldh + f * (new - oldh))
+            step = oldh + f * (new - oldh)
+            if decay is not None and decay[i]:
+                step = step + (f - 1) * decay[i] * oldh
+            new.copy_(step)
         self._before = None
+
+
+def group_decay(optimizers: list[torch.optim.Optimizer], p: torch.Tensor) -> float:
+    """lr * weight_decay of the optimizer group holding parameter p, or a view into one (0: none)."""
+    for opt in optimizers:
+        for g in opt.param_groups:
+            if any(q.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for q in g["params"]):
+                return float(g["lr"]) * float(g.get("weight_decay", 0.0))
+    return 0.0

@@ -15,7 +15,15 @@ MLA (heads h; ||W_dq|| = 1 without a query latent):
     W_qr^h: 1 / (||W_dq|| ||W_kr||)
     W_dq:   min(1 / max_h ||W_uq^h|| ||W_uk^h|| ||W_dkv||,  1 / max_h ||W_qr^h|| ||W_kr||)
     W_dkv:  1 / max_h ||W_uq^h|| ||W_dq|| ||W_uk^h||       W_kr: 1 / max_h ||W_qr^h|| ||W_dq||
-The latent RMSNorms are ignored, as in the paper's derivation (see docs/logit-control.md).
+The latent RMSNorms are ignored by default, as in the paper's derivation (see docs/logit-control.md).
+
+Options the paper leaves open (each measured in docs/logit-control.md):
+* ``clamp`` c > 0 keeps every factor within [tau / c, tau c];
+* ``decay=base`` keeps the decoupled weight decay at the group's rate instead of scaling it with the
+  factor (``HeadScaledUpdate.apply``);
+* ``gains=true`` counts the RMSNorm gains in the norms: each matrix's norm is that of W diag(gamma),
+  gamma the gain of the RMSNorm in front of it (the block's attention norm; MLA: the query latent's
+  norm in front of W_uq, W_qr and the key/value latent's in front of W_uk).
 """
 
 from __future__ import annotations
@@ -26,25 +34,46 @@ from typing import Any
 import torch
 
 from qklab.methods.base import QKController
-from qklab.methods.headwise import HeadScaledUpdate, attention_layers, is_mla, logit_matrices
+from qklab.methods.headwise import HeadScaledUpdate, attention_layers, group_decay, is_mla, logit_matrices
 
 
 @dataclass
 class QuacKOptions:
     tau: float = 1.0  # initial Q/K learning rate relative to eta
     norm: str = "fro"  # fro | spectral
+    clamp: float = 0.0  # >= 1: every factor kept within [tau / clamp, tau * clamp]; 0: off
+    decay: str = "scaled"  # scaled (decoupled decay moves with the factor) | base (decay at the group's rate)
+    gains: bool = False  # count the RMSNorm gains in front of each matrix in its norm
 
     def validate(self) -> None:
         if self.tau <= 0:
             raise ValueError(f"qk.quack.tau must be > 0, got {self.tau}")
         if self.norm not in ("fro", "spectral"):
             raise ValueError(f"qk.quack.norm='{self.norm}': use fro or spectral")
+        if self.clamp < 0 or 0 < self.clamp < 1:
+            raise ValueError(f"qk.quack.clamp must be 0 (off) or >= 1, got {self.clamp}")
+        if self.decay not in ("scaled", "base"):
+            raise ValueError(f"qk.quack.decay='{self.decay}': use scaled or base")
 
 
-def partner_factors(attn, norm: str = "fro") -> dict[str, torch.Tensor]:
-    """phi for every logit-path matrix of one layer, per head: name -> (n_heads,)."""
+def input_gains(block) -> dict[str, torch.Tensor]:
+    """The RMSNorm gain (C_in,) in front of each logit-path matrix of a GPT ``block``'s attention."""
+    a, g = block.attn, block.attn_norm.weight
+    if not is_mla(a):
+        return {"wq": g, "wk": g}
+    gq = a.q_norm.weight if a.q_norm is not None else g
+    out = {"wuq": gq, "wqr": gq, "wuk": a.kv_norm.weight, "wdkv": g, "wkr": g}
+    if a.wdq is not None:
+        out["wdq"] = g
+    return out
+
+
+def partner_factors(attn, norm: str = "fro", gains: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """phi for every logit-path matrix of one layer, per head: name -> (n_heads,). ``gains``: name ->
+    the RMSNorm gain folded into that matrix's norm (``input_gains``), or None."""
     mats = logit_matrices(attn)
-    n = {k: m.head_norms(norm) for k, m in mats.items()}
+    gains = gains or {}
+    n = {k: m.head_norms(norm, gains.get(k)) for k, m in mats.items()}
     if not is_mla(attn):
         H, Hkv = mats["wq"].n_heads, mats["wk"].n_heads
         return {"wq": 1.0 / n["wk"].repeat_interleave(H // Hkv),
@@ -66,17 +95,27 @@ class QuacK(QKController):
     def __init__(self, model, optimizer, opts: QuacKOptions) -> None:
         super().__init__(model, optimizer, opts)
         self.attns = attention_layers(model)
+        self.gains: list[dict[str, torch.Tensor] | None] = [None] * len(self.attns)
+        if opts.gains:
+            if not hasattr(model, "blocks"):
+                raise ValueError("qk.quack.gains=true needs a qklab GPT (its blocks' RMSNorm gains); leave it false")
+            self.gains = [input_gains(b) for b in model.blocks]
         self.names = [list(logit_matrices(a)) for a in self.attns]
-        self.update = HeadScaledUpdate([m for a in self.attns for m in logit_matrices(a).values()])
-        self.phi0 = [partner_factors(a, opts.norm) for a in self.attns]  # at initialisation
+        self.mats = [m for a in self.attns for m in logit_matrices(a).values()]
+        self.update = HeadScaledUpdate(self.mats)
+        self.phi0 = [partner_factors(a, opts.norm, g) for a, g in zip(self.attns, self.gains, strict=True)]  # at init
         self.last: list[dict[str, torch.Tensor]] = []
 
     def factors(self) -> list[dict[str, torch.Tensor]]:
-        """Per layer: matrix name -> per-head learning-rate factor tau * phi(now) / phi(init)."""
-        out = []
-        for a, phi0 in zip(self.attns, self.phi0, strict=True):
-            now = partner_factors(a, self.opts.norm)
-            out.append({k: self.opts.tau * now[k] / phi0[k] for k in now})
+        """Per layer: matrix name -> per-head learning-rate factor tau * phi(now) / phi(init), the ratio
+        clamped to [1 / clamp, clamp] when ``clamp`` is set."""
+        out, c = [], self.opts.clamp
+        for a, g, phi0 in zip(self.attns, self.gains, self.phi0, strict=True):
+            now = partner_factors(a, self.opts.norm, g)
+            ratio = {k: now[k] / phi0[k] for k in now}
+            if c:
+                ratio = {k: r.clamp(1.0 / c, c) for k, r in ratio.items()}
+            out.append({k: self.opts.tau * r for k, r in ratio.items()})
         return out
 
     def before_step(self, step: int) -> None:
@@ -84,7 +123,9 @@ class QuacK(QKController):
         self.update.snapshot()
 
     def after_step(self, step: int) -> None:
-        self.update.apply([f[k] for f, names in zip(self.last, self.names, strict=True) for k in names])
+        opts = self.optimizer if isinstance(self.optimizer, list | tuple) else [self.optimizer]
+        decay = [group_decay(opts, m.weight) for m in self.mats] if self.opts.decay == "base" else None
+        self.update.apply([f[k] for f, names in zip(self.last, self.names, strict=True) for k in names], decay)
 
     def metrics(self) -> dict[str, Any]:
         if not self.last:
