@@ -56,10 +56,18 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _probe(args: argparse.Namespace) -> int:
-    from qklab.diagnostics.probe import run_probe
+    from qklab.diagnostics.probe import ProbeError, ProbeOptions, run_probe
 
-    run_probe(args.path, out=args.out, batch=args.batch, samples=args.samples, seg_len=args.seg_len,
-              max_mult=args.max_mult, evidence=not args.no_evidence, device=args.device)
+    opts = ProbeOptions(batch=args.batch, samples=args.samples, seg_len=args.seg_len, max_mult=args.max_mult,
+                        evidence=not args.no_evidence, device=args.device)
+    if args.compare:
+        from qklab.diagnostics.compare import compare_runs
+
+        compare_runs(([args.path] if args.path else []) + args.compare, args.out or "probe_compare", opts)
+    elif args.path is None:
+        raise ProbeError("give a run folder or checkpoint to probe, e.g. qklab probe runs/small-none-s0")
+    else:
+        run_probe(args.path, out=args.out, opts=opts)
     return 0
 
 
@@ -98,13 +106,17 @@ def build_parser() -> argparse.ArgumentParser:
     w.set_defaults(fn=_sweep)
 
     r = sub.add_parser("probe", help="attention diagnostics of a trained run: probes.json and PNG plots")
-    r.add_argument("path", help="run folder (runs/<name>, uses its latest checkpoint) or a checkpoint ckpt/step_*")
-    r.add_argument("--out", help="folder for probes.json and the plots (default: the run folder)")
-    r.add_argument("--batch", type=int, default=8, help="sequences in the probe batch (held-out, fixed)")
-    r.add_argument("--samples", type=int, default=8, help="contexts per (length, depth) of the evidence test")
-    r.add_argument("--seg-len", type=int, default=16, help="length of the repeated random segment")
+    r.add_argument("path", nargs="?", help="run folder (runs/<name>, uses its latest checkpoint) or a checkpoint "
+                   "ckpt/step_*")
+    r.add_argument("--out", help="folder for probes.json and the plots (default: <run>/probes/<checkpoint>)")
+    r.add_argument("--batch", type=int, default=None,
+                   help="sequences in the probe batch (held-out, fixed; default: the run's train.diag_batch)")
+    r.add_argument("--samples", type=int, default=8, help="contexts per (length, depth) of the evidence tests")
+    r.add_argument("--seg-len", type=int, default=16, help="induction test: length of the repeated segment")
     r.add_argument("--max-mult", type=int, default=8, help="longest evidence context, in training lengths")
-    r.add_argument("--no-evidence", action="store_true", help="skip the evidence-contrast grid")
+    r.add_argument("--no-evidence", action="store_true", help="skip the retrieval and induction tests")
+    r.add_argument("--compare", nargs="+", metavar="RUN",
+                   help="put several runs on one colour scale (their latest probe results; measured when missing)")
     r.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     r.set_defaults(fn=_probe)
     return p

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from qklab.diagnostics import magnitude_sensitivity
+from qklab.diagnostics import measures as M
 from qklab.diagnostics.sensitivity import SCALES
 from tests.conftest import tiny_gpt
 
@@ -41,3 +42,28 @@ def test_only_the_probed_layer_sees_the_scaled_input():
     with torch.no_grad():
         after, _ = model(x)
     assert torch.equal(before, after) and all(b.attn.capture is None for b in model.blocks)
+
+
+def test_js_equals_the_full_eager_computation(monkeypatch):
+    monkeypatch.setattr("qklab.diagnostics.streamed.CHUNK_ELEMENTS", 2 * 4 * 32 * 5)  # 5 query rows per chunk
+    model = tiny_gpt("softcap", n_kv_heads=2, init_std=0.3)
+    x = _x()
+    res = magnitude_sensitivity(model, x, SCALES)
+    inputs = {}
+    hooks = [b.attn.register_forward_pre_hook(lambda m, a, k, i=i: inputs.__setitem__(i, (a, k)), with_kwargs=True)
+             for i, b in enumerate(model.blocks)]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    for i, b in enumerate(model.blocks):
+        (h_in, *rest), kw = inputs[i]
+        caps = {}
+        for a in (1.0, 4.0):
+            b.attn.capture = {}
+            with torch.no_grad():
+                b.attn(h_in * a, *rest, **kw)
+            caps[a] = b.attn.capture
+        b.attn.capture = None
+        want = M.js_divergence(caps[4.0]["probs"], caps[1.0]["probs"], caps[1.0]["mask"])
+        torch.testing.assert_close(torch.tensor(res["js"][4][i]), want, atol=1e-6, rtol=1e-5)

@@ -35,6 +35,8 @@ class DataConfig:
     text_field: column holding the text in Hugging Face datasets.
     hf_split: split to load from Hugging Face datasets.
     cache_dir: folder for the trained tokenizer and the token files.
+    retrieval: share of training sequences that carry the synthetic key-value retrieval task
+        (``qklab.data.retrieval``), 0 (default) to 1; 0 trains on the text alone.
     """
 
     source: str = PYSTDLIB
@@ -45,6 +47,7 @@ class DataConfig:
     text_field: str = "text"
     hf_split: str = "train"
     cache_dir: str = ".cache/qklab"
+    retrieval: float = 0.0
 
     def validate(self) -> None:
         """Raise DataError naming the first invalid setting and how to fix it."""
@@ -88,6 +91,15 @@ class DataConfig:
             raise DataError("data.hf_split: empty; name the dataset split to load, e.g. 'train'")
         if not isinstance(self.cache_dir, str) or not self.cache_dir:
             raise DataError("data.cache_dir: empty; give a folder for cached tokenizers and tokens")
+        if (
+            not isinstance(self.retrieval, (int, float))
+            or isinstance(self.retrieval, bool)
+            or not (0.0 <= self.retrieval <= 1.0)
+        ):
+            raise DataError(
+                f"data.retrieval: {self.retrieval!r} is out of range; use the share of training sequences "
+                "that carry the retrieval task, from 0 (off) to 1, e.g. 0.25"
+            )
 
 
 def _local_source_exists(source: str) -> bool:

@@ -14,6 +14,11 @@ MHA/GQA the head's block of W_Q / W_K; for MLA the linear map from the attention
 (k) before the QK method's map, [W_uq^h W_dq ; W_qr^h W_dq] and [W_uk^h W_dkv ; W_kr], with the latent
 RMSNorms left out (as in QuacK's partner norms). Another layer type plugs in its own rule with
 ``register_qk_weight_norms(AttentionClass, fn)``.
+
+The eager capture holds a layer's full (B, H, T, T) logits and probabilities. The measurements of long
+contexts use ``qk_hooks`` instead: the layer keeps its fast path, and its q and k (after the method's
+map and RoPE) are handed to a callback as soon as they exist, which reduces them to per-head numbers
+from ``logit_rows`` in query chunks; ``rope_length`` lets a model run past its RoPE tables.
 """
 
 from __future__ import annotations
@@ -78,6 +83,73 @@ def capturing(model: nn.Module, reduce: Callable[[dict], None] | None = None) ->
             h.remove()
         for a in attns:
             a.capture = None
+
+
+# fn(layer index, attention layer, q (B, H, T, F), k (B, Hk, T, F)) -> None, called inside the forward
+QKHook = Callable[[int, nn.Module, torch.Tensor, torch.Tensor], None]
+
+
+@contextlib.contextmanager
+def qk_hooks(model: nn.Module, fn: QKHook) -> Iterator[None]:
+    """Inside the block, every attention layer calls ``fn(i, attn, q, k)`` right after its QK method's
+    ``map_qk`` (so q, k are what the logits are made of) and then attends as usual (fused when it may):
+    nothing of size T x T is kept. Calls with a KV cache (decoding) are passed through untouched."""
+    attns = attention_layers(model)
+    own = []
+    for i, attn in enumerate(attns):
+        qk = attn.qk
+        had = "map_qk" in vars(qk)  # an instance-level override (tests plant heads this way)
+        inner = qk.map_qk
+
+        def wrapped(q, k, rope, pos, i=i, attn=attn, inner=inner):
+            q, k = inner(q, k, rope, pos)
+            if pos == 0:
+                fn(i, attn, q.detach(), k.detach())
+            return q, k
+
+        own.append((qk, had, inner))
+        qk.map_qk = wrapped
+    try:
+        yield
+    finally:
+        for qk, had, inner in own:
+            if had:
+                qk.map_qk = inner
+            else:
+                del qk.map_qk
+
+
+def logit_rows(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """The layer's pre-softmax logits of query rows r0..r1-1 (after the method's scaling and rewrite,
+    before the mask), fp32: q (B, H, Tq, F), k (B, Hk, Tk, F) -> (B, H, r1 - r0, Tk)."""
+    H = q.shape[1]
+    if k.shape[1] != H:
+        k = k.repeat_interleave(H // k.shape[1], dim=1)  # (B, H, Tk, F)
+    s = (q[:, :, r0:r1] @ k.transpose(-2, -1)) * attn.qk.scale(q.shape[-1])  # (B, H, c, Tk)
+    return attn.qk.logits(s).float()
+
+
+def row_chunk(B: int, H: int, Tk: int, budget: int = 1 << 21) -> int:
+    """Query rows per chunk so that one chunk of logits holds at most ``budget`` elements (>= 1 row)."""
+    return max(1, budget // max(1, B * H * Tk))
+
+
+@contextlib.contextmanager
+def rope_length(model: nn.Module, n: int) -> Iterator[None]:
+    """Let ``model`` run on up to n positions: its RoPE tables are rebuilt for n (the same formula, so
+    positions below the old limit are unchanged) and restored afterwards; no copy of the weights."""
+    rope = model.rope
+    old = rope.max_len
+    if n <= old:
+        yield
+        return
+    rope.max_len = n
+    rope._tables.clear()
+    try:
+        yield
+    finally:
+        rope.max_len = old
+        rope._tables.clear()
 
 
 def per_query_head(x: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -1,9 +1,12 @@
 """Attention measurements on a fixed probe batch: one snapshot, and the monitor the trainer calls.
 
-``snapshot(model, x)`` runs one fp32 eager forward pass on x (B, T) and measures, per layer and head:
-max logit, mean ||q|| and ||k|| (after the method's transform), ||W_Q^h||_F and ||W_K^h||_F, attention
-entropy and first-token attention; plus the sink rate. ``AttentionMonitor`` keeps the previous
-snapshot's logits to add the logit change per optimizer step.
+``snapshot(model, x)`` runs one fp32 forward pass on x (B, T) and measures, per layer and head: max
+logit, mean ||q|| and ||k|| (after the method's transform), ||W_Q^h||_F and ||W_K^h||_F, attention
+entropy and first-token attention; then a second pass on the first ``SINK_LEN`` tokens of each sequence
+gives the sink measurements of the literature. Each layer is reduced to per-head numbers while the
+forward runs (``qk_hooks`` + ``streamed.layer_stats``), so the pass holds one chunk of one layer's
+logits at a time. ``AttentionMonitor`` keeps the previous snapshot's q and k (host memory) to add the
+logit change per optimizer step.
 """
 
 from __future__ import annotations
@@ -16,59 +19,97 @@ from torch import nn
 
 from qklab.data import TokenLoader
 from qklab.diagnostics import measures as M
-from qklab.diagnostics.capture import attention_layers, capturing, model_device, probe_mode, qk_weight_norms
+from qklab.diagnostics.capture import (
+    attention_layers,
+    model_device,
+    probe_mode,
+    qk_hooks,
+    qk_weight_norms,
+)
+from qklab.diagnostics.streamed import first_token_only, layer_stats, uniform_first_token
 
 PER_HEAD = ("max_logit", "q_norm", "k_norm", "wq_norm", "wk_norm", "entropy", "first_token")
+SINK_LEN = 64  # the sink rate is defined on 64-token inputs (When Attention Sink Emerges, ICLR 2025)
 
 
 @dataclass
 class Snapshot:
-    """Per-head measurements, each (L, H) in fp32 on the CPU, and the masked logits for the change."""
+    """Per-head measurements, each (L, H) fp32 on the CPU, and per layer the q (B, H, T, F) and
+    k (B, Hk, T, F) they came from (CPU), the reference for the next logit change."""
 
     heads: dict[str, torch.Tensor]
-    logits: list[torch.Tensor] = field(repr=False)  # per layer (B, H, T, T), on the model's device
-    masks: list[torch.Tensor] = field(repr=False)  # per layer (T, T)
+    qk: list[tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    sink: dict[str, object] = field(default_factory=dict)
 
 
-def snapshot(model: nn.Module, x: torch.Tensor) -> Snapshot:
-    """Measure the attention of ``model`` on the token batch x (B, T)."""
-    rows: dict[str, list[torch.Tensor]] = {k: [] for k in PER_HEAD}
-    logits, masks = [], []
-    with probe_mode(model), capturing(model) as caps:
+def snapshot(model: nn.Module, x: torch.Tensor, prev: Snapshot | None = None, steps: int = 1,
+             keep_qk: bool = True) -> Snapshot:
+    """Measure the attention of ``model`` on the token batch x (B, T). With ``prev`` (a snapshot of the
+    same batch), also ``logit_change``: mean |s - s_prev| per head divided by max(steps, 1)."""
+    attns = attention_layers(model)
+    rows: dict[str, list] = {k: [None] * len(attns) for k in (*PER_HEAD, "logit_change")}
+    kept: list = [None] * len(attns)
+
+    def on_layer(i: int, attn: nn.Module, q: torch.Tensor, k: torch.Tensor) -> None:
+        st = layer_stats(attn, q, k, prev.qk[i] if prev is not None else None)
+        for key in ("max_logit", "q_norm", "k_norm", "entropy", "first_token"):
+            rows[key][i] = st[key].cpu()
+        if prev is not None:
+            rows["logit_change"][i] = st["logit_abs_change"].cpu() / max(int(steps), 1)
+        H = q.shape[1]
+        wn = qk_weight_norms(attn)  # None: no norm function registered for this layer type
+        nan = torch.full((H,), float("nan"))
+        rows["wq_norm"][i] = wn[0].float().cpu() if wn is not None else nan
+        rows["wk_norm"][i] = wn[1].float().cpu() if wn is not None else nan
+        if keep_qk:
+            kept[i] = (q.float().cpu(), k.float().cpu())
+
+    with probe_mode(model), qk_hooks(model, on_layer):
         model(x.to(model_device(model)))
-        for attn, cap in zip(attention_layers(model), caps, strict=True):
-            s, p, mask = cap["logits"].float(), cap["probs"], cap["mask"]  # (B, H, T, T) x2, (T, T)
-            H = s.shape[1]
-            rows["max_logit"].append(M.max_logit(s, mask))
-            rows["q_norm"].append(M.mean_norm(cap["q"], H))
-            rows["k_norm"].append(M.mean_norm(cap["k"], H))
-            wn = qk_weight_norms(attn)
-            nan = torch.full((H,), float("nan"), device=s.device)
-            rows["wq_norm"].append(wn[0] if wn is not None else nan)  # nan: no norm function registered
-            rows["wk_norm"].append(wn[1] if wn is not None else nan)
-            rows["entropy"].append(M.entropy(p, mask))
-            rows["first_token"].append(M.first_token(p, mask))
-            logits.append(s)
-            masks.append(mask)
-    heads = {k: torch.stack([r.cpu() for r in v]) for k, v in rows.items()}  # each (L, H)
-    return Snapshot(heads, logits, masks)
+    keys = PER_HEAD + (("logit_change",) if prev is not None else ())
+    heads = {k: torch.stack(rows[k]) for k in keys}  # each (L, H)
+    return Snapshot(heads, kept, sink_stats(model, x))
 
 
-def logit_change(new: Snapshot, old: Snapshot, steps: int) -> torch.Tensor:
-    """Mean |logit_new - logit_old| over allowed pairs per head, divided by the optimizer steps between
-    the two snapshots (by 1 when none were taken, so unchanged weights give exactly 0); (L, H)."""
-    per_layer = [M.mean_abs_change(a, b, m) for a, b, m in zip(new.logits, old.logits, new.masks, strict=True)]
-    return torch.stack(per_layer).cpu() / max(int(steps), 1)
+def sink_stats(model: nn.Module, x: torch.Tensor, n: int = SINK_LEN) -> dict[str, object]:
+    """First-token attention per layer and head on the first n tokens of each sequence of x, its
+    uniform baseline, and the sink rate: the share of heads whose mean first-token weight exceeds 0.3."""
+    n = min(n, x.shape[1])
+    first: list = [None] * len(attention_layers(model))
+
+    def on_layer(i: int, attn: nn.Module, q: torch.Tensor, k: torch.Tensor) -> None:
+        first[i] = first_token_only(attn, q, k).cpu()
+
+    with probe_mode(model), qk_hooks(model, on_layer):
+        model(x[:, :n].to(model_device(model)))
+    ft = torch.stack(first)  # (L, H)
+    return {"seq_len": n, "threshold": M.SINK_THRESHOLD, "first_token": ft.tolist(),
+            "first_token_mean": ft.mean().item(), "first_token_baseline": uniform_first_token(n),
+            "rate": M.sink_rate(ft), "rate_per_layer": (ft > M.SINK_THRESHOLD).float().mean(dim=1).tolist()}
 
 
-def summarise(heads: dict[str, torch.Tensor]) -> dict[str, object]:
-    """The JSON record: per-head lists (L x H) plus scalar summaries."""
+def logit_change(model: nn.Module, x: torch.Tensor, old: Snapshot, steps: int) -> torch.Tensor:
+    """Mean |logit_now - logit_old| over allowed pairs per head of ``model`` on x against an earlier
+    snapshot of the same batch, divided by the optimizer steps between them (by 1 when none were taken,
+    so unchanged weights give exactly 0); (L, H)."""
+    return snapshot(model, x, prev=old, steps=steps, keep_qk=False).heads["logit_change"]
+
+
+def summarise(heads: dict[str, torch.Tensor], sink: dict[str, object] | None = None,
+              seq_len: int | None = None) -> dict[str, object]:
+    """The JSON record: per-head lists (L x H) plus scalar summaries. ``sink`` (from ``sink_stats``)
+    gives the sink rate on 64-token inputs; ``seq_len`` the uniform first-token baseline at T."""
     rec: dict[str, object] = {k: v.tolist() for k, v in heads.items()}
     rec["max_logit_max"] = heads["max_logit"].max().item()
     rec["entropy_mean"] = heads["entropy"].mean().item()
     rec["first_token_mean"] = heads["first_token"].mean().item()
-    rec["sink_rate"] = M.sink_rate(heads["first_token"])
-    rec["sink_rate_per_layer"] = (heads["first_token"] > M.SINK_THRESHOLD).float().mean(dim=1).tolist()
+    if seq_len is not None:
+        rec["first_token_baseline"] = uniform_first_token(seq_len)
+    rec["sink_rate_at_T"] = M.sink_rate(heads["first_token"])  # the same threshold on the full-length batch
+    if sink:
+        rec["sink"] = sink
+        rec["sink_rate"] = sink["rate"]
+        rec["sink_rate_per_layer"] = sink["rate_per_layer"]
     if "logit_change" in heads:
         rec["logit_change_mean"] = heads["logit_change"].mean().item()
     return rec
@@ -83,8 +124,9 @@ def probe_batch(tokens: np.ndarray, batch: int, seq_len: int) -> torch.Tensor:
 class AttentionMonitor:
     """Measurements every N steps during training on one fixed held-out batch x (B, T).
 
-    Holds the previous snapshot's logits (L x (B, H, T, T) fp32 on the model's device) to report the
-    logit change per step between consecutive evaluations."""
+    Between evaluations it holds the per-head results (L x H) on the device side and, in host memory,
+    the previous snapshot's q and k (L x B x (H + Hk) x T x F fp32) to report the logit change per step
+    between consecutive evaluations; never a T x T tensor."""
 
     def __init__(self, x: torch.Tensor) -> None:
         self.x = x
@@ -96,9 +138,6 @@ class AttentionMonitor:
         return cls(probe_batch(tokens, batch, seq_len))
 
     def measure(self, model: nn.Module, step: int) -> dict[str, object]:
-        snap = snapshot(model, self.x)
-        heads = dict(snap.heads)
-        if self._prev is not None:
-            heads["logit_change"] = logit_change(snap, self._prev, step - self._prev_step)
+        snap = snapshot(model, self.x, prev=self._prev, steps=step - self._prev_step)
         self._prev, self._prev_step = snap, step
-        return summarise(heads)
+        return summarise(snap.heads, snap.sink, self.x.shape[1])

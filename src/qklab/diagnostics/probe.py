@@ -1,9 +1,10 @@
 """``qklab probe <run dir or checkpoint dir>``: every attention measurement on a trained checkpoint.
 
 Loads the model from ``config.json`` (or the checkpoint's saved config) and ``model.safetensors``, takes
-the held-out tokens of the run's data config, and writes ``probes.json`` and PNG plots: per-head
-measurements (with the logit change since the previous checkpoint when one is kept), magnitude
-sensitivity and the evidence-contrast grid.
+the held-out tokens of the run's data config, and writes ``probes.json`` (schema in docs/diagnostics.md)
+and PNG plots into ``<run>/probes/<checkpoint>/``: per-head measurements on the training diagnostics'
+probe batch (with the logit change since the previous checkpoint when one is kept), sinks, magnitude
+sensitivity, the retrieval test and the induction test, and the run's per-head time series.
 """
 
 from __future__ import annotations
@@ -18,13 +19,17 @@ import torch
 
 from qklab.config import ConfigError, RunConfig, from_dict
 from qklab.data import prepare_data
+from qklab.data.retrieval import N_PAIRS, seen_pool
 from qklab.diagnostics import plots
 from qklab.diagnostics.evidence import DEPTHS, SEG_LEN, evidence_contrast
-from qklab.diagnostics.monitor import logit_change, probe_batch, snapshot, summarise
+from qklab.diagnostics.monitor import probe_batch, snapshot, summarise
+from qklab.diagnostics.retrieval import retrieval_test
 from qklab.diagnostics.sensitivity import SCALES, magnitude_sensitivity
+from qklab.diagnostics.series import head_series
 from qklab.train.checkpoint import complete_checkpoints, latest_checkpoint, load_checkpoint
 
 CONFIG_KEYS = ("model", "qk", "data", "train", "preset")
+SCHEMA = "qklab.probes/2"
 
 
 class ProbeError(ConfigError):
@@ -87,51 +92,113 @@ def load_model(cfg: RunConfig, ckpt: Path, device: torch.device) -> tuple[torch.
     return model.to(device).eval(), int(state.get("step", 0))
 
 
-def run_probe(path: str | Path, out: str | Path | None = None, batch: int = 8, samples: int = 8,
-              seg_len: int = SEG_LEN, max_mult: int = 8, evidence: bool = True, device: str = "cpu",
+@dataclass
+class ProbeOptions:
+    """What ``qklab probe`` measures; ``batch`` None: the run's ``train.diag_batch`` (the batch its
+    training diagnostics used, so both read the same tokens)."""
+
+    batch: int | None = None
+    samples: int = 8  # contexts per (length, depth) cell of the retrieval and induction tests
+    seg_len: int = SEG_LEN  # induction test: length of the repeated segment
+    max_mult: int = 8  # longest context, in training lengths (> 1: extrapolation lengths)
+    evidence: bool = True
+    device: str = "cpu"
+
+    def check(self, seq_len: int | None = None) -> None:
+        """Raise ProbeError (one line) for a setting that cannot work."""
+        if self.batch is not None and self.batch < 1:
+            raise ProbeError(f"--batch {self.batch}: needs at least one probe sequence; use --batch 4")
+        if self.samples < 1:
+            raise ProbeError(f"--samples {self.samples}: needs at least one context per cell; use --samples 8")
+        if self.max_mult < 1:
+            raise ProbeError(f"--max-mult {self.max_mult}: the longest context must be at least the training "
+                             "length; use --max-mult 1 (training length only) or more")
+        if self.seg_len < 2:
+            raise ProbeError(f"--seg-len {self.seg_len}: the repeated segment needs at least 2 tokens")
+        if seq_len is not None and self.evidence and 4 * self.seg_len > seq_len:
+            raise ProbeError(f"--seg-len {self.seg_len}: a segment and its repeat do not fit in the training "
+                             f"length {seq_len} with text around them (needs 4 x seg_len <= {seq_len}); "
+                             f"use --seg-len {max(2, seq_len // 4)} or less")
+        if self.device not in ("cpu", "cuda", "auto") and not self.device.startswith("cuda:"):
+            raise ProbeError(f"--device {self.device!r}: use cpu, cuda or auto")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ProbeError(f"--device {self.device}: no CUDA device is available; use --device cpu or auto")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+def probe_lengths(T: int, max_mult: int, minimum: int) -> list[int]:
+    """The main grid T/4, T/2, T (those >= minimum), then 2T, 4T, .. up to max_mult x T (extrapolation)."""
+    main = [n for n in (T // 4, T // 2, T) if n >= minimum]
+    return sorted(set(main + [T * m for m in (2, 4, 8, 16, 32) if m <= max_mult]))
+
+
+def default_out(target: Target) -> Path:
+    """``<run>/probes/<checkpoint name>``: every checkpoint gets its own folder, nothing is overwritten."""
+    return (target.run_dir or target.ckpt.parent.parent) / "probes" / target.ckpt.name
+
+
+def run_probe(path: str | Path, out: str | Path | None = None, opts: ProbeOptions | None = None,
               log=print) -> dict[str, Any]:
     t0 = time.time()
+    opts = opts or ProbeOptions()
+    opts.check()
     target = resolve_target(path)
     cfg = load_run_config(target)
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
-    model, step = load_model(cfg, target.ckpt, dev)
-    out_dir = Path(out) if out else (target.run_dir or target.ckpt)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    val = prepare_data(cfg.data, log=lambda s: None).val_tokens()
     T = cfg.train.seq_len
-    x = probe_batch(val, batch, T)  # (B, T)
+    opts.check(T)
+    dev = opts.torch_device()
+    model, step = load_model(cfg, target.ckpt, dev)
+    out_dir = Path(out) if out else default_out(target)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = prepare_data(cfg.data, log=lambda s: None)
+    val = data.val_tokens()
+    x = probe_batch(val, opts.batch or cfg.train.diag_batch, T)  # (B, T): the training diagnostics' batch
 
-    snap = snapshot(model, x)
-    heads, change_from = dict(snap.heads), None
-    done = complete_checkpoints(target.ckpt.parent)
-    earlier = [c for c in done if c.name < target.ckpt.name]
+    prev_snap, change_from = None, None
+    earlier = [c for c in complete_checkpoints(target.ckpt.parent) if c.name < target.ckpt.name]
     if earlier:  # the logit change since the previous kept checkpoint
         prev_model, prev_step = load_model(cfg, earlier[-1], dev)
         if prev_step < step:
-            heads["logit_change"] = logit_change(snap, snapshot(prev_model, x), step - prev_step)
-            change_from = prev_step
+            prev_snap, change_from = snapshot(prev_model, x), prev_step
         del prev_model
-    del snap
+    snap = snapshot(model, x, prev=prev_snap, steps=step - (change_from or 0), keep_qk=False)
+    del prev_snap
     result: dict[str, Any] = {
-        "checkpoint": str(target.ckpt), "step": step, "run_dir": str(target.run_dir) if target.run_dir else None,
+        "schema": SCHEMA, "checkpoint": str(target.ckpt), "step": step,
+        "run_dir": str(target.run_dir) if target.run_dir else None,
         "qk_method": cfg.qk.method, "qk_controller": cfg.qk.controller, "train_seq_len": T,
         "max_seq_len": cfg.model.max_seq_len, "probe_batch": list(x.shape), "logit_change_from_step": change_from,
-        "heads": summarise(heads),
+        "heads": summarise(snap.heads, snap.sink, T),
         "magnitude": magnitude_sensitivity(model, x, SCALES),
     }
-    if evidence:
-        mults = [m for m in (1, 2, 4, 8, 16, 32) if m <= max_mult]
-        result["evidence"] = evidence_contrast(model, val, [T * m for m in mults], DEPTHS, seg_len=seg_len,
-                                               n_samples=samples, batch=max(1, min(batch, 4)), seed=0)
-    title = f"{(target.run_dir or target.ckpt).name}  step {step}  qk.method={cfg.qk.method}"
-    files = [plots.plot_heads(result["heads"], title, out_dir / "probe_heads.png"),
+    if opts.evidence:
+        pool = seen_pool(data.train_tokens(), cfg.model.vocab_size, (data.eot_id,))
+        batch = max(1, min(opts.batch or 4, 4))
+        result["retrieval"] = retrieval_test(model, val, pool, probe_lengths(T, opts.max_mult, 8 * N_PAIRS + 4),
+                                             T, DEPTHS, n_samples=opts.samples, batch=batch, seed=0)
+        result["induction"] = evidence_contrast(model, val, probe_lengths(T, opts.max_mult, 4 * opts.seg_len),
+                                                DEPTHS, seg_len=opts.seg_len, n_samples=opts.samples, batch=batch,
+                                                seed=0, pool=pool, train_len=T)
+    name = (target.run_dir or target.ckpt).name
+    title = f"{name}  step {step}  qk.method={cfg.qk.method}"
+    files = [plots.plot_heads(result["heads"], title, out_dir / "probe_heads.png", seq_len=T),
              plots.plot_magnitude(result["magnitude"], title, out_dir / "probe_magnitude.png")]
-    if evidence and result["evidence"]["cells"]:
-        files.append(plots.plot_evidence(result["evidence"], title, out_dir / "probe_evidence.png"))
+    if opts.evidence and result["retrieval"]["lengths"]:
+        files.append(plots.plot_retrieval(result["retrieval"], title, out_dir / "probe_retrieval.png"))
+    if opts.evidence and result["induction"]["cells"]:
+        files.append(plots.plot_evidence(result["induction"], title, out_dir / "probe_induction.png"))
+    series = head_series(target.run_dir / "metrics.jsonl") if target.run_dir else {}
+    if series:
+        files.append(plots.plot_series(series, title, out_dir / "probe_series.png", upto=step))
     result["files"] = [str(f) for f in files]
     result["seconds"] = round(time.time() - t0, 1)
-    (out_dir / "probes.json").write_text(json.dumps(result, indent=1) + "\n")
+    tmp = out_dir / "probes.json.tmp"
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(out_dir / "probes.json")
     log(summary_table(result))
     log(f"wrote {out_dir / 'probes.json'} and {len(files)} plots in {result['seconds']:.0f} s")
     return result
@@ -149,21 +216,39 @@ def summary_table(r: dict[str, Any]) -> str:
         if "logit_change" in h:
             row += f" {_mean(h['logit_change'][i]):>12.2e}"
         lines.append(row)
-    lines.append(f"sink rate {h['sink_rate']:.3f}   first-token attention (mean over heads) "
-                 f"{h['first_token_mean']:.3f}")
+    sk = h["sink"]
+    lines.append(f"first-token attention (mean over heads) {h['first_token_mean']:.3f}, uniform "
+                 f"{h['first_token_baseline']:.3f} at T={r['train_seq_len']}; at {sk['seq_len']} tokens "
+                 f"{sk['first_token_mean']:.3f} (uniform {sk['first_token_baseline']:.3f}), sink rate "
+                 f"{sk['rate']:.3f} (share of heads > {sk['threshold']})")
     m = r["magnitude"]
     lines.append("magnitude sensitivity, mean JS vs a=1: "
                  + "  ".join(f"a={a:g}: {js:.4f}" for a, js in zip(m["scales"], m["js_mean"], strict=True)))
-    ev = r.get("evidence")
+    rt = r.get("retrieval")
+    if rt and rt["lengths"]:
+        hd = rt["head"]
+        lines.append(f"retrieval ({rt['n_pairs']} key-value pairs; head L{hd['layer']}.H{hd['head']} chosen on "
+                     f"separate contexts at N={hd['selected_at_length']}; mean +- std over contexts):")
+        lines.append(f"{'N':>6} {'evidence mass':>17} {'uniform':>8} {'rank':>13} {'top-1':>6} "
+                     f"{'log-contrast':>14} {'accuracy':>8}")
+        for c in rt["lengths"]:
+            lines.append(f"{c['length']:>6} {c['mass']:>8.3f} +- {c['mass_std']:<5.3f} {c['uniform_mass']:>8.4f} "
+                         f"{c['rank']:>6.1f} +- {c['rank_std']:<4.1f} {c['top1']:>6.2f} "
+                         f"{c['log_contrast']:>6.2f} +- {c['log_contrast_std']:<5.2f} {c['accuracy']:>8.2f}"
+                         + ("  (extrapolation)" if c["extrapolation"] else ""))
+    ev = r.get("induction")
     if ev and ev["cells"]:
-        lines.append("evidence contrast, best head of the best layer (accuracy on the repeat):")
+        hd = ev["head"]
+        lines.append(f"induction copy test, head L{hd['layer']}.H{hd['head']} (contrast; accuracy on the repeat):")
         lines.append(f"{'N':>6} " + " ".join(f"{'p=' + str(p):>16}" for p in ev["depths"]))
         for n in ev["lengths"]:
             cells = {c["depth"]: c for c in ev["cells"] if c["length"] == n}
-            lines.append(f"{n:>6} " + " ".join(f"{cells[p]['contrast_best_layer']:>8.2f} ({cells[p]['accuracy']:.2f})"
-                                               for p in ev["depths"]))
-        for s in ev["skipped"]:
-            lines.append(f"skipped N={s['length']}: {s['reason']}")
+            lines.append(f"{n:>6} " + " ".join(f"{cells[p]['contrast']:>8.2f} ({cells[p]['accuracy']:.2f})"
+                                               for p in ev["depths"])
+                         + ("  (extrapolation)" if n > ev["train_seq_len"] else ""))
+    for key in ("retrieval", "induction"):
+        for sk in (r.get(key) or {}).get("skipped", []):
+            lines.append(f"{key}: skipped N={sk['length']}: {sk['reason']}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,67 @@
+"""``qklab probe --compare run1 run2 ...``: several runs' probe results on shared scales.
+
+Each run's latest probe result (``<run>/probes/<latest checkpoint>/probes.json``) is read, or measured
+first when missing; then one figure puts their per-head heatmaps on one colour scale per measurement,
+one overlays their retrieval tests, and ``compare.json`` holds each run's ``probe_summary``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from qklab.diagnostics import plots
+from qklab.diagnostics.probe import ProbeError, ProbeOptions, default_out, resolve_target, run_probe
+from qklab.diagnostics.summary import probe_summary
+
+
+def load_or_probe(path: str | Path, opts: ProbeOptions, log=print) -> dict[str, Any]:
+    target = resolve_target(path)
+    f = default_out(target) / "probes.json"
+    if f.is_file():
+        try:
+            return json.loads(f.read_text())
+        except json.JSONDecodeError as e:
+            raise ProbeError(f"{f}: not valid JSON ({e}); delete it to measure again") from None
+    log(f"{path}: no probe result for {target.ckpt.name} yet, measuring it")
+    return run_probe(path, None, opts, log=lambda s: None)
+
+
+def compare_runs(paths: list[str], out: str | Path, opts: ProbeOptions | None = None, log=print) -> dict[str, Any]:
+    if len(paths) < 2:
+        raise ProbeError("--compare needs at least two runs, e.g. qklab probe --compare runs/a runs/b")
+    opts = opts or ProbeOptions()
+    opts.check()
+    results: dict[str, dict[str, Any]] = {}
+    for p in paths:
+        label = Path(p).resolve().name
+        while label in results:
+            label += "'"
+        results[label] = load_or_probe(p, opts, log)
+    shapes = {(len(r["heads"]["max_logit"]), len(r["heads"]["max_logit"][0])) for r in results.values()}
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = []
+    if len(shapes) == 1:
+        files.append(plots.plot_compare(results, out_dir / "compare_heads.png"))
+    else:
+        log(f"runs have different layer x head shapes {sorted(shapes)}: no shared heatmap")
+    with_rt = {k: r["retrieval"] for k, r in results.items() if (r.get("retrieval") or {}).get("lengths")}
+    if with_rt:
+        first = next(iter(with_rt.values()))
+        files.append(plots.plot_retrieval(first, "retrieval test", out_dir / "compare_retrieval.png", runs=with_rt))
+    summary = {k: probe_summary(r) for k, r in results.items()}
+    (out_dir / "compare.json").write_text(json.dumps(summary, indent=1) + "\n")
+    keys = ("step", "max_logit", "first_token", "first_token_baseline", "sink_rate", "evidence_mass",
+            "log_contrast", "retrieval_accuracy", "magnitude_js_a4")
+    width = max(len(k) for k in summary)
+    log(f"{'run':<{width}} " + " ".join(f"{k:>14}" for k in keys))
+    for label, s in summary.items():
+        log(f"{label:<{width}} " + " ".join(f"{_cell(s[k]):>14}" for k in keys))
+    log(f"wrote {out_dir / 'compare.json'} and {len(files)} plots")
+    return {"runs": summary, "files": [str(f) for f in files]}
+
+
+def _cell(v: Any) -> str:
+    return "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
