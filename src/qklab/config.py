@@ -53,6 +53,24 @@ class ModelConfig:
     nope_dim: int = 0  # MLA per-head q/k width without RoPE; 0: head_dim
     rope_dim: int = 0  # MLA per-head q/k width with RoPE (also the shared rope key's width); 0: head_dim // 2
     v_dim: int = 0  # MLA per-head value width; 0: head_dim
+    rope_scaling: str = "none"  # none | yarn (YaRN context extension, as DeepSeek-V2/V3; qklab.model.rope.Yarn)
+    yarn_factor: float = 1.0  # YaRN: context extension factor (> 1)
+    yarn_original_max_len: int = 0  # YaRN: the context the frequencies were made for; 0: max_seq_len / yarn_factor
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 0.0  # 0: unset (see Yarn)
+    yarn_mscale_all_dim: float = 0.0  # 0: unset; else MLA's softmax scale gets mscale(factor, this)^2
+
+    @property
+    def yarn(self):
+        """The YaRN settings (``qklab.model.rope.Yarn``), or None without rope scaling."""
+        if self.rope_scaling != "yarn":
+            return None
+        from qklab.model.rope import Yarn
+
+        orig = self.yarn_original_max_len or int(self.max_seq_len / self.yarn_factor)
+        return Yarn(self.yarn_factor, orig, self.yarn_beta_fast, self.yarn_beta_slow, self.yarn_mscale,
+                    self.yarn_mscale_all_dim)
 
     @property
     def mla_dims(self) -> MLADims:
@@ -148,6 +166,10 @@ class RunConfig:
             _check(m.mla_dims.rope > 0 and m.mla_dims.rope % 2 == 0,
                    f"MLA rope width {m.mla_dims.rope} must be even and > 0; set model.rope_dim")
             _check(m.n_kv_heads == 0, "model.n_kv_heads is for attention=mha (GQA); leave it 0 with attention=mla")
+        _check(m.rope_scaling in ("none", "yarn"), f"model.rope_scaling='{m.rope_scaling}': use none or yarn")
+        if m.rope_scaling == "yarn":
+            _check(m.yarn_factor > 1 and m.yarn_original_max_len >= 0 and m.yarn_beta_fast > m.yarn_beta_slow > 0,
+                   "YaRN needs model.yarn_factor > 1, yarn_original_max_len >= 0, yarn_beta_fast > yarn_beta_slow > 0")
         _check(q.method in METHODS, f"qk.method='{q.method}' is unknown; choose one of {', '.join(sorted(METHODS))}")
         _check(q.controller in CONTROLLERS,
                f"qk.controller='{q.controller}' is unknown; choose one of {', '.join(sorted(CONTROLLERS))}")

@@ -1,5 +1,5 @@
 """MLA: the absorbed latent-cache path equals the materialised path; both equal independent references
-(a per-head formula written out here, and ``transformers``' DeepseekV3Attention with copied weights);
+(a per-head formula written out here; transformers' DeepSeek attention: ``tests/hf/test_deepseek.py``);
 the latent cache holds kv_rank + rope values per token; QK methods that cannot keep it are refused."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from qklab.methods import METHODS, AttnShape, QKMethod
 from qklab.methods.qkmap import QKMapOptions
 from qklab.methods.softcap import SoftCapOptions
 from qklab.model import GPT, KVCache, LatentCache, MLAttention, Rope
-from qklab.model.mla import rope_permutation
 
 H, NOPE, ROPE, V, KV_RANK, Q_RANK = 4, 16, 8, 12, 24, 20  # distinct widths catch mixed-up dimensions
 LATENT_METHODS = ["none", "softcap", "qknorm"]
@@ -208,62 +207,6 @@ def test_latent_map_is_map_qk_factorised(name):
     torch.testing.assert_close(k_fact, k_mapped)
 
 
-# --- transformers' DeepSeek-V3 attention ------------------------------------------------------------
-@pytest.mark.parametrize("interleave", [True, False])
-@pytest.mark.parametrize("q_lora", [None, Q_RANK])
-def test_matches_transformers_deepseek_v3(q_lora, interleave):
-    pytest.importorskip("transformers")
-    from transformers import DeepseekV3Config
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
-        DeepseekV3Attention,
-        DeepseekV3RotaryEmbedding,
-    )
-
-    hf_cfg = DeepseekV3Config(
-        vocab_size=97, hidden_size=64, num_attention_heads=H, num_key_value_heads=H, q_lora_rank=q_lora,
-        kv_lora_rank=KV_RANK, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V, max_position_embeddings=64,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rope_interleave=interleave,
-        attention_bias=False, attention_dropout=0.0, rms_norm_eps=1e-6, num_hidden_layers=1)
-    hf_cfg._attn_implementation = "eager"
-    torch.manual_seed(3)
-    hf = DeepseekV3Attention(hf_cfg, layer_idx=0).eval()
-    _randomise_gains(hf)
-    ours = MLAttention(_cfg(q_lora or 0, "eager"), QKConfig(), layer_idx=0).eval()
-
-    def copy(permute: bool) -> None:
-        perm = rope_permutation(ROPE) if permute else torch.arange(ROPE)
-        with torch.no_grad():
-            qb = (hf.q_b_proj if q_lora else hf.q_proj).weight.view(H, NOPE + ROPE, -1)
-            ours.wuq.weight.copy_(qb[:, :NOPE].reshape(H * NOPE, -1))
-            ours.wqr.weight.copy_(qb[:, NOPE:][:, perm].reshape(H * ROPE, -1))
-            if q_lora:
-                ours.wdq.weight.copy_(hf.q_a_proj.weight)
-                ours.q_norm.weight.copy_(hf.q_a_layernorm.weight)
-            ours.wdkv.weight.copy_(hf.kv_a_proj_with_mqa.weight[:KV_RANK])
-            ours.wkr.weight.copy_(hf.kv_a_proj_with_mqa.weight[KV_RANK:][perm])
-            ours.kv_norm.weight.copy_(hf.kv_a_layernorm.weight)
-            kvb = hf.kv_b_proj.weight.view(H, NOPE + V, KV_RANK)
-            ours.wuk.weight.copy_(kvb[:, :NOPE].reshape(H * NOPE, KV_RANK))
-            ours.wuv.weight.copy_(kvb[:, NOPE:].reshape(H * V, KV_RANK))
-            ours.wo.weight.copy_(hf.o_proj.weight)
-
-    B, T = 2, 20
-    x = torch.randn(B, T, 64)
-    pos = torch.arange(T).unsqueeze(0).expand(B, T)
-    mask = torch.full((T, T), float("-inf")).triu(1).expand(B, 1, T, T)
-    with torch.no_grad():
-        ref, _ = hf(x, DeepseekV3RotaryEmbedding(hf_cfg)(x, pos), mask)
-        copy(permute=interleave)
-        torch.testing.assert_close(ours(x, Rope(64, 10000.0)), ref, atol=1e-5, rtol=1e-5)
-        ours.latent_path = "absorbed"  # and the absorbed decode path, one token at a time
-        cache = ours.make_cache(B, T, x.device, x.dtype)
-        dec = torch.cat([ours(x[:, t : t + 1], Rope(64, 10000.0), cache) for t in range(T)], dim=1)
-        torch.testing.assert_close(dec, ref, atol=1e-5, rtol=1e-5)
-        if interleave:  # the permutation is what makes the layouts agree
-            copy(permute=False)
-            assert not torch.allclose(ours(x, Rope(64, 10000.0)), ref, atol=1e-3)
-
-
 # --- the cache ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("method, extra", [("none", 0), ("softcap", 0), ("qknorm", H)])
 def test_latent_cache_size_per_token(method, extra):
@@ -335,3 +278,52 @@ def test_bad_mla_config_is_one_clear_error(override, needle):
 def test_mla_refuses_methods_that_change_the_projection_width():
     with pytest.raises(ConfigError, match="model.attention=mla does not support"):
         GPT(_cfg(), QKConfig(method="qkmap"))  # compute-matched qkmap projects to a narrower width
+
+
+# --- multi-token absorbed decode, keys only when needed, key scalars allocated with the cache ----------
+@pytest.mark.parametrize("method", LATENT_METHODS)
+def test_auto_decodes_short_chunks_absorbed_and_matches_materialised(method, monkeypatch):
+    """Chunks of 2-8 tokens (speculative decoding's verify step) take the absorbed path under "auto"; a
+    longer chunk is expanded. Logits equal the materialised full forward at every position."""
+    from qklab.model import mla
+
+    model = mla_gpt(method)
+    calls = []
+    for name in ("_absorbed", "_expand"):
+        orig = getattr(MLAttention, name)
+        monkeypatch.setattr(MLAttention, name, lambda self, *a, _o=orig, _n=name: calls.append(_n) or _o(self, *a))
+    x = torch.randint(0, 97, (2, 40))
+    sizes = [mla.ABSORB_MAX_T + 1, 2, 3, 5, mla.ABSORB_MAX_T, 1, 7]  # 9 + 2 + 3 + 5 + 8 + 1 + 7 = 35
+    with torch.no_grad():
+        full, _ = model(x)
+        caches = model.make_caches(2, 40)
+        parts, t = [], 0
+        for n in sizes:
+            calls.clear()
+            parts.append(model(x[:, t : t + n], caches=caches)[0])
+            assert set(calls) == {"_expand" if n > mla.ABSORB_MAX_T else "_absorbed"}, n
+            t += n
+    torch.testing.assert_close(torch.cat(parts, 1), full[:, :t], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method, builds", [("none", False), ("softcap", False), ("qknorm", True)])
+def test_latent_path_builds_per_head_keys_only_for_key_scalars(method, builds, monkeypatch):
+    model = mla_gpt(method)
+    caches = model.make_caches(2, 16)
+    n = []
+    orig = MLAttention.keys
+    monkeypatch.setattr(MLAttention, "keys", lambda self, *a: n.append(1) or orig(self, *a))
+    with torch.no_grad():
+        model(torch.randint(0, 97, (2, 3)), caches=caches)
+    assert bool(n) == builds
+
+
+@pytest.mark.parametrize("method", LATENT_METHODS)
+def test_key_scalars_are_allocated_with_the_cache(method):
+    model = mla_gpt(method)
+    c = model.make_caches(2, 16)[0]
+    if method == "qknorm":
+        assert c.kscale is not None and c.kscale.shape == (2, H, 16)
+        assert c.values_per_token() == KV_RANK + ROPE + H  # before any token is written
+    else:
+        assert c.kscale is None and c.values_per_token() == KV_RANK + ROPE

@@ -51,6 +51,7 @@ class QKMethod(nn.Module):
     Options: type = NoOptions
     modifies_logits = False  # True: logits(...) changes scores, so only the eager path may run it
     latent_cache_ok = True  # False: needs per-head keys materialised (cannot keep an MLA latent cache)
+    latent_key_scale = False  # True: latent_map returns a key scalar s per token and head (cached; needs k)
 
     def __init__(self, shape: AttnShape, opts: Any) -> None:
         super().__init__()
@@ -100,7 +101,9 @@ class QKMethod(nn.Module):
         into the query side and the shared rope key. s (B, Hkv, T, 1) is one scalar per token and key
         head, cached beside the latent. None stands for 1. A method whose key map has any other form must
         set ``latent_cache_ok = False``; ``tests/model/test_mla.py`` checks the identity for every
-        registered method. The default (keys only rotated): RoPE(q), 1, 1."""
+        registered method. A method without key scalars (s None) leaves ``latent_key_scale`` False and
+        is called with k None (MLA then never builds per-head keys). The default (keys only rotated):
+        RoPE(q), 1, 1."""
         return rope(q, pos), None, None
 
     def clip_refusal(self, tau_clip: float) -> str:

@@ -29,6 +29,7 @@ class QKNormOptions:
 class QKNorm(QKMethod):
     name = "qknorm"
     Options = QKNormOptions
+    latent_key_scale = True  # one inverse RMS per token and key head beside the MLA latent
 
     def __init__(self, shape: AttnShape, opts: QKNormOptions) -> None:
         super().__init__(shape, opts)

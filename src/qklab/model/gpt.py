@@ -51,7 +51,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        self.rope = Rope(cfg.max_seq_len, cfg.rope_theta)
+        self.rope = Rope(cfg.max_seq_len, cfg.rope_theta, cfg.yarn)
         self.init_weights()
 
     @torch.no_grad()

@@ -21,7 +21,8 @@ Two paths compute the same thing:
   decoding is absorbed: q_nope^h . W_uk^h c = ((W_uk^h)^T q_nope^h) . c moves W_uk to the query side,
   and sum_j p_j W_uv^h c_j = W_uv^h (sum_j p_j c_j) moves W_uv to the output, so every head attends to
   the one shared latent key (an MQA-shaped product). ``latent_path`` "auto" uses the absorbed form for
-  single-token steps and expands the latent into per-head k, v for multi-token chunks (prefill).
+  steps of up to ``ABSORB_MAX_T`` tokens (decoding, and the short chunks that speculative decoding
+  verifies) and expands the latent into per-head k, v for longer chunks (prefill).
 
 QK methods see MLA through the one interface: ``map_qk`` gets q and k as (B, H, T, nope+rope), [nope |
 rope] pre-RoPE, and a rope that rotates only the trailing ``rope`` features. The latent path asks
@@ -31,7 +32,9 @@ times one scalar per token and head (cached; QK-Norm's inverse RMS). Methods wit
 
 RoPE layout: qklab rotates halves (pair i is (x_i, x_{i+D/2})); DeepSeek checkpoints rotate adjacent
 pairs (``rope_interleave`` in transformers). The two agree exactly once the rows of W_kr and of each
-head's W_qr slice are permuted by ``rope_permutation(rope)``: see ``tests/model/test_mla.py``.
+head's W_qr slice are permuted by ``rope_permutation(rope)``; ``qklab.hf.deepseek`` imports and exports
+DeepSeek-V2/V3 attention weights. With ``model.rope_scaling=yarn`` the rotary tables are YaRN's (``Rope``)
+and the softmax scale gets DeepSeek's correction ``Yarn.softmax_mscale()``.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from qklab.model.attention import KVCache, MaxLogitTracker, causal_mask, head_ma
 from qklab.model.rope import Rope
 
 LATENT_PATHS = ("auto", "absorbed", "materialised")
+ABSORB_MAX_T = 8  # "auto": chunks of up to this many new tokens decode absorbed (docs/mla.md)
 
 
 def rope_permutation(rope_dim: int) -> torch.Tensor:
@@ -71,7 +75,7 @@ class PartialRope:
 class LatentCache:
     """Per-layer MLA cache. kv (B, Lmax, kv_rank + rope): per token the normalised latent c_kv and the
     post-RoPE shared rope key. kscale (B, H, Lmax): the per-token, per-head key scalar of a QK method that
-    has one (QK-Norm's inverse RMS), allocated on first use; None otherwise."""
+    has one (QK-Norm's inverse RMS), allocated with the cache (``MLAttention.make_cache``); None otherwise."""
 
     kv: torch.Tensor
     kscale: torch.Tensor | None = None
@@ -88,9 +92,9 @@ class LatentCache:
             raise ValueError(f"latent cache full: {self.length + T} > {Lmax} positions")
         a, b = self.length, self.length + T
         self.kv[:, a:b] = kv
+        if (kscale is None) != (self.kscale is None):
+            raise ValueError("latent cache: key scalars given for a cache allocated without them, or missing")
         if kscale is not None:
-            if self.kscale is None:
-                self.kscale = kv.new_zeros(kv.shape[0], kscale.shape[1], Lmax, dtype=self.kv.dtype)
             self.kscale[:, :, a:b] = kscale
         self.length = b
         ks = self.kscale[:, :, :b] if kscale is not None else None
@@ -123,6 +127,7 @@ class MLAttention(nn.Module, MaxLogitTracker):
         self.wuv = nn.Linear(R, H * d.v, bias=False)
         self.wo = nn.Linear(H * d.v, C, bias=False)
         self.impl = cfg.attn_impl
+        self.softmax_mscale = cfg.yarn.softmax_mscale() if cfg.yarn else 1.0  # YaRN (DeepSeek)
         self.latent_path = "auto"  # auto | absorbed | materialised, for LatentCache decoding
         self.capture: dict[str, torch.Tensor] | None = None
         self.init_tracker(self.n_heads)  # QK-clip's per-head max logit (materialised path)
@@ -166,7 +171,7 @@ class MLAttention(nn.Module, MaxLogitTracker):
             q, k = self.qk.map_qk(q, k, prope, pos)
             if cache is not None:
                 k, v = cache.append(k, v)  # (B, H, L, F), (B, H, L, Dv)
-            y = self._attend(q, k, v, self.qk.scale(q.shape[-1]))
+            y = self._attend(q, k, v, self.qk.scale(q.shape[-1]) * self.softmax_mscale)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim)  # (B, T, H*Dv)
         return self.wo(y)
 
@@ -181,7 +186,9 @@ class MLAttention(nn.Module, MaxLogitTracker):
             latent = self.qk.latent_cache_ok
         if latent:
             self.check_latent()
-            return LatentCache(torch.zeros(batch, max_len, self.kv_rank + self.rope_dim, device=device, dtype=dtype))
+            kv = torch.zeros(batch, max_len, self.kv_rank + self.rope_dim, device=device, dtype=dtype)
+            ks = torch.zeros(batch, self.n_heads, max_len, device=device, dtype=dtype) if self.qk.latent_key_scale else None
+            return LatentCache(kv, ks)
         k = torch.zeros(batch, self.n_heads, max_len, self.qk.feature_dim(), device=device, dtype=dtype)
         v = torch.zeros(batch, self.n_heads, max_len, self.v_dim, device=device, dtype=dtype)
         return KVCache(k, v)
@@ -190,15 +197,15 @@ class MLAttention(nn.Module, MaxLogitTracker):
         """Append the new tokens' latents to the cache and attend over it; returns (B, H, T, Dv)."""
         self.check_latent()
         n = self.nope_dim
-        k = self.keys(c, kr)  # (B, H, T, F): the new tokens' pre-RoPE keys, for the method's key scalars
+        k = self.keys(c, kr) if self.qk.latent_key_scale else None  # (B, H, T, F) pre-RoPE, for key scalars
         q, gain, ks = self.qk.latent_map(q, k, prope, pos)  # (B, H, T, F) rotated; (F,) | None; (B, H, T, 1) | None
         if gain is not None:  # the rope part of the gain goes on the shared rope key before RoPE
             kr = kr * gain[n:]
         kr = rope(kr.unsqueeze(1), pos).squeeze(1)  # (B, T, rope)
         kv, kscale = cache.append(torch.cat([c, kr], dim=-1), ks[..., 0] if ks is not None else None)
-        scale = self.qk.scale(q.shape[-1])
+        scale = self.qk.scale(q.shape[-1]) * self.softmax_mscale
         T = q.shape[2]
-        if self.latent_path == "absorbed" or (self.latent_path == "auto" and T == 1):
+        if self.latent_path == "absorbed" or (self.latent_path == "auto" and T <= ABSORB_MAX_T):
             return self._absorbed(q, kv, kscale, gain, scale)
         if self.latent_path not in LATENT_PATHS:
             raise ValueError(f"latent_path='{self.latent_path}': use one of {', '.join(LATENT_PATHS)}")

@@ -1,21 +1,72 @@
 """Rotary position embedding, "rotate half" layout (pair i is (x_i, x_{i + D/2}), as in Llama/Qwen).
 
 Tables are built lazily per feature dimension, because a QK method may change the q/k width.
+
+YaRN (``Yarn``, arXiv 2309.00071, as DeepSeek-V2/V3 use it) stretches the context by ``factor``: rotary
+pairs that turn fewer than ``beta_slow`` times over the original context are interpolated (frequency /
+factor), those turning more than ``beta_fast`` times are kept, with a linear ramp between; the tables are
+multiplied by an attention factor, and ``softmax_mscale`` is the correction DeepSeek applies to the
+softmax scale.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 
-def rope_tables(dim: int, max_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (max_len, dim), in fp32."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)  # (D/2,)
+def _mscale(factor: float, m: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
+class Yarn:
+    factor: float  # context extension, > 1
+    original_max_len: int  # the context the frequencies were trained for
+    beta_fast: float = 32.0  # pairs turning more often than this over original_max_len keep their frequency
+    beta_slow: float = 1.0  # pairs turning less often than this are fully interpolated
+    mscale: float = 0.0  # 0: unset; with mscale_all_dim, attention factor mscale(f, mscale) / mscale(f, mscale_all_dim)
+    mscale_all_dim: float = 0.0  # 0: unset; else the softmax scale is multiplied by mscale(f, mscale_all_dim)^2
+
+    def attention_factor(self) -> float:
+        """Multiplier of the cos/sin tables (so of both rotated q and k)."""
+        if self.mscale and self.mscale_all_dim:
+            return _mscale(self.factor, self.mscale) / _mscale(self.factor, self.mscale_all_dim)
+        return _mscale(self.factor)
+
+    def softmax_mscale(self) -> float:
+        """Multiplier of the softmax scale (DeepSeek's correction)."""
+        return _mscale(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
+
+    def inv_freq(self, dim: int, theta: float, device=None) -> torch.Tensor:
+        """(dim/2,) fp64 inverse frequencies."""
+        base = theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)  # (D/2,)
+
+        def pair(turns: float) -> float:  # the (fractional) pair index that turns `turns` times
+            return dim * math.log(self.original_max_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+        lo, hi = max(math.floor(pair(self.beta_fast)), 0), min(math.ceil(pair(self.beta_slow)), dim - 1)
+        hi = hi + 0.001 if lo == hi else hi
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64, device=device) - lo) / (hi - lo)).clamp(0, 1)
+        keep = 1 - ramp  # 1: original frequency (fast pairs), 0: interpolated
+        return (1.0 / base) * keep + (1.0 / (self.factor * base)) * (1 - keep)
+
+
+def rope_tables(dim: int, max_len: int, theta: float, device=None, yarn: Yarn | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (max_len, dim), in fp32 (YaRN: its frequencies, times its attention factor)."""
+    if yarn is None:
+        inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)  # (D/2,)
+    else:
+        inv_freq = yarn.inv_freq(dim, theta, device)
     t = torch.arange(max_len, dtype=torch.float64, device=device)
     freqs = torch.outer(t, inv_freq)  # (T, D/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (T, D)
-    return emb.cos().float(), emb.sin().float()
+    a = 1.0 if yarn is None else yarn.attention_factor()
+    return (emb.cos() * a).float(), (emb.sin() * a).float()
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -26,16 +77,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Rope(nn.Module):
     """Apply RoPE to x (B, H, T, D) at absolute positions pos .. pos + T - 1."""
 
-    def __init__(self, max_len: int, theta: float) -> None:
+    def __init__(self, max_len: int, theta: float, yarn: Yarn | None = None) -> None:
         super().__init__()
         self.max_len = max_len
         self.theta = theta
+        self.yarn = yarn
         self._tables: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         key = (dim, device)
         if key not in self._tables:
-            self._tables[key] = rope_tables(dim, self.max_len, self.theta, device)
+            self._tables[key] = rope_tables(dim, self.max_len, self.theta, device, self.yarn)
         return self._tables[key]
 
     def forward(self, x: torch.Tensor, pos: int = 0) -> torch.Tensor:
