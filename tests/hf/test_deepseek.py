@@ -4,6 +4,8 @@ latent norms' eps), on the materialised and the absorbed latent-cache paths; exp
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -136,3 +138,16 @@ def test_unsupported_deepseek_settings_are_refused():
     theirs, _ = _hf("v3", rope={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
     with pytest.raises(ValueError, match="rope_type 'linear'"):
         mla_config(theirs.config)
+
+
+def test_yarn_config_keys():
+    from qklab.config import ConfigError, load_config
+    from qklab.model import GPT
+
+    cfg = load_config("tiny", ["model.attention=mla", "model.rope_scaling=yarn", "model.yarn_factor=4",
+                               "model.yarn_mscale_all_dim=0.8"]).model
+    assert cfg.yarn == Yarn(4.0, cfg.max_seq_len // 4, 32.0, 1.0, 0.0, 0.8)
+    model = GPT(dataclasses.replace(cfg, vocab_size=97))
+    assert model.rope.yarn == cfg.yarn and model.blocks[0].attn.softmax_mscale == cfg.yarn.softmax_mscale() > 1
+    with pytest.raises(ConfigError, match="yarn_factor"):
+        load_config("tiny", ["model.rope_scaling=yarn"])
