@@ -12,6 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotary
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RotaryEmbedding  # noqa: E402
 
 from qklab.config import ModelConfig, QKConfig  # noqa: E402
+from qklab.hf.export import LAYER_KEYS  # noqa: E402
 from qklab.model import Attention, Rope  # noqa: E402
 
 D_MODEL, N_HEADS, THETA = 64, 4, 10000.0
@@ -27,14 +28,12 @@ def _hf_forward(attn, rotary, x):
 
 
 def _copy(ours: Attention, hf) -> None:
+    """Attention weights by the export's name mapping (qklab.hf.export.LAYER_KEYS)."""
+    theirs = dict(hf.named_parameters())
     with torch.no_grad():
-        ours.wq.weight.copy_(hf.q_proj.weight)
-        ours.wk.weight.copy_(hf.k_proj.weight)
-        ours.wv.weight.copy_(hf.v_proj.weight)
-        ours.wo.weight.copy_(hf.o_proj.weight)
-        if hasattr(hf, "q_norm"):
-            ours.qk.q_norm.weight.copy_(hf.q_norm.weight)
-            ours.qk.k_norm.weight.copy_(hf.k_norm.weight)
+        for ours_key, hf_key in LAYER_KEYS.items():
+            if ours_key.startswith("attn.") and hf_key.removeprefix("self_attn.") in theirs:
+                ours.get_parameter(ours_key.removeprefix("attn.")).copy_(theirs[hf_key.removeprefix("self_attn.")])
 
 
 @pytest.mark.parametrize("n_kv", [4, 2])

@@ -13,5 +13,19 @@ Only the functions that build or read transformers objects import ``transformers
 from __future__ import annotations
 
 from qklab.hf.apply import apply
+from qklab.hf.attach import Attached, attach
+from qklab.hf.deepseek import load_deepseek_attention, mla_config, mla_from_deepseek, save_deepseek_attention
+from qklab.hf.export import export_pretrained, import_pretrained
+from qklab.hf.layers import LayerSpec, QKLayer, find_layers
 
-__all__ = ["apply"]
+__all__ = ["apply", "attach", "Attached", "LayerSpec", "QKLayer", "find_layers", "QKCallback", "mla_config",
+           "mla_from_deepseek", "load_deepseek_attention", "save_deepseek_attention", "export_pretrained",
+           "import_pretrained"]
+
+
+def __getattr__(name: str):
+    if name == "QKCallback":  # subclasses transformers.TrainerCallback: import transformers only when asked
+        from qklab.hf.callback import QKCallback
+
+        return QKCallback
+    raise AttributeError(f"module 'qklab.hf' has no attribute '{name}'")

@@ -1,0 +1,93 @@
+"""Export of a qklab GPT to transformers Llama (none) / Qwen3 (qknorm) folders and import back: logits equal
+to 1e-5 in transformers, generate() from the folder offline equals qklab's greedy decoding, the
+tokenizer keeps its ids, and export -> import -> export is bit-exact."""
+
+from __future__ import annotations
+
+import filecmp
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from qklab.config import ModelConfig, QKConfig  # noqa: E402
+from qklab.data.tokenizer import BPETokenizer, ByteTokenizer  # noqa: E402
+from qklab.hf.export import LAYER_KEYS, export_pretrained, import_pretrained  # noqa: E402
+from qklab.methods.softcap import SoftCapOptions  # noqa: E402
+from qklab.model import GPT  # noqa: E402
+
+TEXTS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())\n", "class A:\n    pass\n"] * 20
+
+
+def _gpt(method="none", n_kv=2, tie=True, vocab=300, seed=0):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=vocab, d_model=64, n_layers=2, n_heads=4, n_kv_heads=n_kv, max_seq_len=64,
+                      tie_embeddings=tie, init_std=0.1)
+    model = GPT(cfg, QKConfig(method=method)).eval()
+    with torch.no_grad():  # non-trivial norm gains
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("method, n_kv, tie", [("none", 2, True), ("none", 0, False), ("qknorm", 2, False),
+                                               ("qknorm", 4, True)])
+def test_exported_model_matches_in_transformers_and_generates(method, n_kv, tie, tmp_path):
+    tok = BPETokenizer.train(TEXTS, 300)
+    ours = _gpt(method, n_kv, tie)
+    export_pretrained(ours, tmp_path, tokenizer=tok)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True).eval()
+    assert type(theirs).__name__ == {"none": "LlamaForCausalLM", "qknorm": "Qwen3ForCausalLM"}[method]
+    x = torch.randint(0, 300, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(x).logits, ours(x)[0], atol=1e-5, rtol=1e-5)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    prompt = torch.tensor([hf_tok.encode("def add(a, b):")])
+    assert prompt[0].tolist() == tok.encode("def add(a, b):")
+    out = theirs.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert torch.equal(out, ours.generate(prompt, max_new_tokens=12, temperature=0))
+    assert len(set(out[0, prompt.shape[1]:].tolist())) >= 2  # not one repeated token
+
+
+@pytest.mark.parametrize("method", ["none", "qknorm"])
+def test_export_import_export_is_bit_exact(method, tmp_path):
+    ours = _gpt(method, tie=False)
+    export_pretrained(ours, tmp_path / "a", tokenizer=ByteTokenizer())
+    back, tok = import_pretrained(tmp_path / "a")
+    assert back.qk_cfg.method == method
+    for (k, a), (_, b) in zip(ours.state_dict().items(), back.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k
+    x = torch.randint(0, 300, (2, 30))
+    with torch.no_grad():
+        assert torch.equal(back(x)[0], ours(x)[0])
+    export_pretrained(back, tmp_path / "b", tokenizer=tok)
+    for f in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json"):
+        assert filecmp.cmp(tmp_path / "a" / f, tmp_path / "b" / f, shallow=False), f
+
+
+def test_byte_tokenizer_keeps_its_ids(tmp_path):
+    ours = _gpt(vocab=257)
+    export_pretrained(ours, tmp_path, tokenizer=ByteTokenizer())
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    text = "naïve café ✓ \x00\x7f tab\tend"
+    ids = ByteTokenizer().encode(text)
+    assert hf_tok.encode(text) == ids and hf_tok.decode(ids) == text
+    assert hf_tok.eos_token_id == 256
+
+
+def test_layer_names_cover_every_parameter():
+    names = {k.split(".", 2)[2] for k in _gpt("qknorm").state_dict() if k.startswith("blocks.")}
+    assert names == set(LAYER_KEYS)
+
+
+@pytest.mark.parametrize("bad, match", [("softcap", "no transformers equivalent"), ("mla", "MHA/GQA")])
+def test_export_refuses_what_has_no_equivalent(bad, match, tmp_path):
+    if bad == "mla":
+        model = GPT(ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_layers=1, attention="mla"))
+    else:
+        model = GPT(ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_layers=1),
+                    QKConfig(method="softcap", options={"softcap": SoftCapOptions(cap=5.0)}))
+    with pytest.raises(ValueError, match=match):
+        export_pretrained(model, tmp_path)
