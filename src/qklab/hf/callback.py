@@ -45,7 +45,9 @@ class QKCallback(TrainerCallback):
                 rec.update({f"qk/max_logit/layer{i}": heads for i, heads in enumerate(v)})
             else:
                 rec[f"qk/{k}"] = v
-        logs.update(rec)
+        logs.update(rec)  # seen by the callbacks after this one (e.g. the console printer)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(rec)  # the Trainer recorded this log before calling back
         self.history.append({"step": state.global_step, **rec})
 
     def on_train_end(self, args, state, control, **kwargs):
