@@ -1,4 +1,4 @@
-"""Command line: ``qklab train``, ``qklab demo``, ``qklab sweep``, ``qklab probe``.
+"""Command line: ``qklab train``, ``qklab demo``, ``qklab study``, ``qklab report``, ``qklab sweep``, ``qklab probe``.
 
 User mistakes print one line (``qklab: error: ...``) and exit with code 2, without a traceback: bad
 options and config values, missing or unwritable files (any OSError), damaged input. A run stopped by
@@ -13,7 +13,7 @@ import errno
 import sys
 import traceback
 
-from qklab.config import ConfigError, check_methods, load_config, preset_names
+from qklab.config import ConfigError, load_config, preset_names
 from qklab.data import DataError
 from qklab.diagnostics.stability import NonFiniteError
 from qklab.train.checkpoint import CheckpointError
@@ -37,21 +37,30 @@ def _train(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from qklab.demo import run_demo
 
-    run_demo(args.config, check_methods(args.methods.split(",")), args.set)
+    run_demo(args.study, methods=args.methods, overrides=args.set, workers=args.workers, out=args.out)
+    return 0
+
+
+def _study(args: argparse.Namespace) -> int:
+    from qklab.study.cli import study_command
+
+    return study_command(args)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from qklab.report import write_report
+
+    out = write_report(args.dirs, out=args.out, title=args.title)
+    print(f"report: {out / 'report.html'} (and report.md, report.json, figures)")
     return 0
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from qklab.study.cli import run_and_report
+    from qklab.sweep import sweep_study
 
-    from qklab.sweep import lr_grid_table, parse_variant, run_sweep
-
-    seeds = [int(s) for s in args.seeds.split(",")]
-    summary = run_sweep(args.config, [parse_variant(v) for v in args.variant], seeds, Path(args.out), args.set)
-    if args.lr_grid:  # labels <method>-x<multiplier>: a method x learning-rate table
-        table = lr_grid_table(summary)
-        (Path(args.out) / "lr_grid.md").write_text(table)
-        print(table)
+    study = sweep_study(args.config, args.variant, args.seeds, args.out, args.set, args.lr_mults, args.reference)
+    run_and_report(study, out=args.out, results=None, workers=args.workers)
     return 0
 
 
@@ -90,19 +99,40 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true", help="delete an existing run folder of the same name")
     t.set_defaults(fn=_train)
 
-    d = sub.add_parser("demo", help="train the small preset with several methods and print a comparison")
-    d.add_argument("--config", "-c", default="small")
-    d.add_argument("--methods", default="none,qknorm,softcap", help="comma-separated qk.method values")
-    d.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE")
+    d = sub.add_parser("demo", help="the main job: a small study of every QK method, a table and a report")
+    d.add_argument("--study", default="demo", help="study file or name in studies/ (default: demo)")
+    d.add_argument("--methods", help="comma-separated variant labels of the study to run (default: all)")
+    d.add_argument("--workers", type=int, default=None, help="parallel cells (default: the study's)")
+    d.add_argument("--out", default=None, help="folder for runs, results and report (default: runs/demo)")
+    d.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value in every cell, e.g. --set train.steps=50")
     d.set_defaults(fn=_demo)
 
-    w = sub.add_parser("sweep", help="train variants x seeds at equal tokens; write a mean +- std table")
+    st = sub.add_parser("study", help="run a study file (grid x variants x rates x seeds) or show its status")
+    st.add_argument("action", choices=["run", "status"], help="run: train the cells not done; status: list them")
+    st.add_argument("file", help="study file, e.g. studies/demo.toml")
+    st.add_argument("--workers", type=int, default=None, help="cells in parallel (default: the study's, else 1)")
+    st.add_argument("--out", default=None, help="folder for run folders and logs (default: runs/studies/<name>)")
+    st.add_argument("--results", default=None, help="folder for result files, e.g. docs/results/<name> "
+                    "(default: <out>/results); a cell with a result here is done")
+    st.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+    st.set_defaults(fn=_study)
+
+    rp = sub.add_parser("report", help="report.md/.html/.json from result folders (never trains)")
+    rp.add_argument("dirs", nargs="+", help="folders holding result.json files (searched recursively)")
+    rp.add_argument("--out", default=None, help="output folder (default: <first folder>/report)")
+    rp.add_argument("--title", default="qklab report")
+    rp.set_defaults(fn=_report)
+
+    w = sub.add_parser("sweep", help="shorthand for a study: variants x seeds (x rate multiples) at equal tokens")
     w.add_argument("--config", "-c", default="small")
     w.add_argument("--variant", "-v", action="append", required=True, metavar="LABEL:K=V,K=V")
     w.add_argument("--seeds", default="0,1,2")
-    w.add_argument("--out", required=True, help="folder for the runs and summary.{json,md}")
+    w.add_argument("--out", required=True, help="folder for the runs, results/ and report/")
     w.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE", help="applied to every run")
-    w.add_argument("--lr-grid", action="store_true", help="labels are <method>-x<lr multiplier>: also write lr_grid.md")
+    w.add_argument("--lr-mults", default="1", help="each variant's rate grid, multiples of its rate: 0.5,1,2")
+    w.add_argument("--reference", default=None, help="variant the others are paired with (default: the first)")
+    w.add_argument("--workers", type=int, default=1, help="cells in parallel")
     w.set_defaults(fn=_sweep)
 
     r = sub.add_parser("probe", help="attention diagnostics of a trained run: probes.json and PNG plots")

@@ -326,13 +326,18 @@ def resume_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
-def resolve_preset(spec: str) -> Path:
-    """'tiny' or 'configs/tiny.toml' or any path -> an existing TOML file."""
+def resolve_named_file(spec: str, folder: Path, what: str, kind: str) -> Path:
+    """'tiny', 'configs/tiny.toml' or any path -> an existing TOML file (a name is looked up in folder)."""
     p = Path(spec)
-    for cand in (p, PRESET_DIR / p.name, PRESET_DIR / f"{spec}.toml"):
+    for cand in (p, folder / p.name, folder / f"{spec}.toml"):
         if cand.is_file():
             return cand
-    raise ConfigError(f"config '{spec}' not found; give a TOML path or a preset name: {', '.join(preset_names())}")
+    names = sorted(x.stem for x in folder.glob("*.toml"))
+    raise ConfigError(f"{what} '{spec}' not found; give a TOML path or a {kind} name: {', '.join(names)}")
+
+
+def resolve_preset(spec: str) -> Path:
+    return resolve_named_file(spec, PRESET_DIR, "config", "preset")
 
 
 def preset_names() -> list[str]:

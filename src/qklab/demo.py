@@ -1,37 +1,67 @@
-"""The main job: train one preset with several QK methods on the built-in corpus, print a table."""
+"""The main job: a small study of every QK method family on the built-in corpus, a short table, and
+the report (``studies/demo.toml``: MHA none, qknorm, softcap, qkmap, quack, qkclip and the fixed
+multiplier; MLA none, qknorm and quack)."""
 
 from __future__ import annotations
 
-import json
-import time
+import math
+import tomllib
 from pathlib import Path
 
-from qklab.config import load_config
-from qklab.data import prepare_data, unigram_entropy
-from qklab.train.trainer import Trainer
+from qklab.config import ConfigError
+from qklab.study.cli import resolve_study, run_and_report
+from qklab.study.spec import parse_study
 
 
-def run_demo(preset: str, methods: list[str], overrides: list[str]) -> list[dict]:
-    base = load_config(preset, overrides)
-    data = prepare_data(base.data)
-    val = data.val_tokens()
-    h1 = unigram_entropy(val, data.vocab_size)
-    rows = []
-    for m in methods:
-        cfg = load_config(preset, [*overrides, f"qk.method={m}"])
-        t0 = time.time()
-        res = Trainer(cfg, overwrite=True, data=data).run()
-        rows.append({"method": m, "val_loss": res.final_val_loss, "max_logit": res.max_logit,
-                     "tokens_per_s": res.tokens_per_s, "minutes": (time.time() - t0) / 60, "run": str(res.run_dir)})
-    print()
-    print(f"corpus: {data.fingerprint.get('source')}  {data.fingerprint.get('files')} files  "
-          f"tokenizer {data.fingerprint.get('tokenizer')}  unigram entropy of val tokens: {h1:.3f} nats")
-    print(f"{'method':<10} {'val loss':>9} {'max logit':>10} {'tokens/s':>10} {'minutes':>8}")
-    for r in rows:
-        print(f"{r['method']:<10} {r['val_loss']:>9.4f} {r['max_logit']:>10.2f} {r['tokens_per_s']:>10,.0f} "
-              f"{r['minutes']:>8.1f}")
-    out = Path(base.train.out_dir) / f"demo-{base.preset}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"unigram_entropy": h1, "rows": rows}, indent=2) + "\n")
-    print(f"table written to {out}")
-    return rows
+def run_demo(study: str = "demo", methods: str | None = None, overrides: list[str] | None = None,
+             workers: int | None = None, out: str | None = None) -> Path | None:
+    path = resolve_study(study)
+    raw = tomllib.loads(path.read_text())
+    if methods:  # a subset of the study's variants, all checked before anything trains
+        wanted = [m.strip() for m in methods.split(",") if m.strip()]
+        known = list(raw.get("variants", {}))
+        bad = [m for m in wanted if m not in known]
+        if bad:
+            raise ConfigError(f"--methods: {', '.join(bad)} not in {path.name}; choose from {', '.join(known)}")
+        raw["variants"] = {k: v for k, v in raw["variants"].items() if k in wanted}
+        ref = raw.get("protocol", {}).get("reference")
+        if isinstance(ref, dict):
+            raw["protocol"]["reference"] = {a: r for a, r in ref.items() if r in wanted}
+        elif ref not in wanted:
+            raw.get("protocol", {}).pop("reference", None)
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set '{item}' must look like key=value, e.g. --set train.steps=50")
+        from qklab.config import _parse_value
+
+        raw.setdefault("study", {}).setdefault("set", {})[key.strip()] = _parse_value(value.strip())
+    s = parse_study(raw, path.stem, path)
+    n_workers = workers if workers is not None else raw.get("study", {}).get("workers", 1)
+    outcome, report = run_and_report(s, out or Path("runs") / s.name, None, n_workers)
+    _print_table(outcome.results.values())
+    if report is not None:
+        print(f"\nreport: {report / 'report.html'}  (also report.md)")
+    return report
+
+
+def _print_table(results) -> None:
+    from qklab.study.stats import describe
+
+    by: dict[str, list[dict]] = {}
+    for r in results:
+        by.setdefault(r["variant"], []).append(r)
+    print(f"\n{'variant':<18} {'attn':<4} {'n':>2} {'report loss':>16} {'max logit':>10} {'first tok':>9} "
+          f"{'tok/s':>7}  status")
+    for label, rs in by.items():
+        ok = [r for r in rs if r["status"] == "ok"]
+        rep = describe([float(r["final"]["report_loss"]) for r in ok])
+        ml = describe([float(r["final"]["max_logit"]) for r in ok])
+        ft = describe([float(r["final"]["first_token"]) for r in ok])
+        tps = describe([float(r["tokens_per_s"]) for r in ok])
+        loss = f"{rep['mean']:.4f}" + (f" ± {rep['std']:.4f}" if math.isfinite(rep["std"]) else "")
+        status = ", ".join(f"{sum(r['status'] == s for r in rs)} {s}" for s in ("ok", "diverged", "failed")
+                           if any(r["status"] == s for r in rs))
+        att = rs[0].get("attention", "?")
+        print(f"{label:<18} {att:<4} {len(ok):>2} {loss:>16} {ml['mean']:>10.2f} {ft['mean']:>9.3f} "
+              f"{tps['mean']:>7,.0f}  {status}")

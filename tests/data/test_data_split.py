@@ -37,3 +37,15 @@ def test_rule_and_order() -> None:
     assert [d.relpath for d in split.val] == [d.relpath for d in items if rule_value(d.relpath) < 0.25]
     assert [d.relpath for d in split.train] == [d.relpath for d in items if rule_value(d.relpath) >= 0.25]
     assert 20 < len(split.val) < 80
+
+
+def test_heldout_parts_cut_at_the_document_boundary_nearest_the_middle():
+    import numpy as np
+
+    from qklab.data.split import heldout_parts
+
+    eot = 9
+    toks = np.array([1, 2, eot, 3, 4, 5, eot, 6, eot, 7, 7, 7], dtype=np.uint16)  # boundaries after 2, 6, 8
+    sel, rep = heldout_parts(toks, eot)
+    assert (sel, rep) == (slice(0, 7), slice(7, 12))  # middle 6: the boundary at 7 is nearest
+    assert heldout_parts(np.array([1, 2, 3, 4, 5]), eot) == (slice(0, 2), slice(2, 5))  # no boundary: the middle

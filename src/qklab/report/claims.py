@@ -1,0 +1,169 @@
+"""The claims table: every claim of both papers (shared/specs/), the measurement that tests it here, and
+a verdict with its reason.
+
+Verdicts: **agree** (the 95% interval of the paired difference lies on the claimed side of zero, or of
+the stated margin), **disagree** (it lies on the other side), **inconclusive** (it contains zero, or
+only one seed was run), **not measurable** (the study has no cells, probes or rate grid that could test
+it; the reason says what is missing). Each comparison uses the methods' cells at their own chosen rates
+(selection split), report-split losses, and seeds paired across methods.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from qklab.study.stats import fmt_ci, paired_difference
+
+COMPETITIVE_MARGIN = 0.05  # nats: "competitive" = not worse by more than this (upper 95% bound)
+
+
+@dataclass
+class Claim:
+    paper: str
+    text: str
+    measurement: str
+    test: Callable[[list[dict]], tuple[str, str, str]]  # groups -> (verdict, measured, reason)
+
+
+def _find(groups: list[dict], attention: str, method: str = "none", controller: str = "none") -> list[dict]:
+    """Groups of one kind (several when, e.g., two taus were run): the best by selection loss first."""
+    gs = [g for g in groups if g["attention"] == attention and g["method"] == method
+          and g["controller"] == controller and g["chosen"] is not None]
+    return sorted(gs, key=lambda g: g["sweep"][g["chosen"]]["select"]["mean"])
+
+
+def _pair(groups, a: tuple, b: tuple, metric: str) -> tuple[dict | None, str]:
+    """Paired difference a - b of ``metric`` (same study and grid point), or None and why not."""
+    ga, gb = _find(groups, *a), _find(groups, *b)
+    if not ga or not gb:
+        missing = [f"{x[1]}+{x[2]}" if x[2] != "none" else x[1] for x, g in ((a, ga), (b, gb)) if not g]
+        return None, f"no finished {a[0].upper()} cells of {', '.join(missing)} in these results"
+    for x in ga:
+        for y in gb:
+            if x["study"] == y["study"] and x["point"] == y["point"]:
+                d = paired_difference(x["at_chosen"][metric], y["at_chosen"][metric])
+                d["a"], d["b"] = x["variant"], y["variant"]
+                return d, ""
+    return None, "the two methods never ran in the same study and grid point"
+
+
+def _verdict_less(d: dict | None, why: str, what: str, margin: float = 0.0) -> tuple[str, str, str]:
+    """Claim: a < b + margin (d = a - b)."""
+    if d is None:
+        return "not measurable", "-", why
+    if d["n"] == 0:
+        return "not measurable", "-", f"no seed has a finite {what} for both"
+    meas = f"{d['a']} - {d['b']}: {d['mean']:+.3f}, 95% CI {fmt_ci(d['ci_lo'], d['ci_hi'])}, n={d['n']}" + (
+        f", p={d['p']:.3g}" if math.isfinite(d["p"]) else "")
+    if d["n"] < 2:
+        return "inconclusive", meas, "one seed: no interval"
+    if d["ci_hi"] < margin:
+        return "agree", meas, f"the whole interval is below {margin:g}"
+    if d["ci_lo"] > margin:
+        return "disagree", meas, f"the whole interval is above {margin:g}"
+    return "inconclusive", meas, "the interval contains " + (f"{margin:+g}" if margin else "0")
+
+
+def _less(a, b, metric, what, margin=0.0):
+    return lambda groups: _verdict_less(*_pair(groups, a, b, metric), what, margin)
+
+
+def _more(a, b, metric, what):
+    def test(groups):
+        d, why = _pair(groups, b, a, metric)  # a > b  <=>  b - a < 0
+        return _verdict_less(d, why, what)
+    return test
+
+
+def _stable_rate(a: tuple, b: tuple) -> Callable[[list[dict]], tuple[str, str, str]]:
+    """Claim: a tolerates a higher base rate than b (highest rate with no diverged seed)."""
+    def test(groups):
+        ga, gb = _find(groups, *a), _find(groups, *b)
+        if not ga or not gb:
+            return "not measurable", "-", f"needs {a[0].upper()} cells of both {a[1:]} and {b[1:]}"
+        x, y = ga[0], gb[0]
+        if len(x["sweep"]) < 2 or len(y["sweep"]) < 2:
+            return "not measurable", "-", "needs a learning-rate grid (one rate per method was run)"
+        hx, hy = x["highest_stable"], y["highest_stable"]
+        meas = (f"highest rate with no diverged seed: {x['variant']} x{hx if hx is not None else '-'}, "
+                f"{y['variant']} x{hy if hy is not None else '-'} (of x{min(x['sweep']):g}..x{max(x['sweep']):g})")
+        top = max(x["sweep"])
+        if hx is None or hy is None:
+            return "inconclusive", meas, "a method diverged at every rate"
+        if hx > hy:
+            return "agree", meas, "stable at a higher rate"
+        if hx == hy == top:
+            return "inconclusive", meas, "neither diverged within the grid; extend it upward"
+        return "disagree", meas, "not stable at a higher rate"
+    return test
+
+
+def _probe_claim(key: str, a: tuple, b: tuple, higher: bool) -> Callable[[list[dict]], tuple[str, str, str]]:
+    def test(groups):
+        ga, gb = _find(groups, *a), _find(groups, *b)
+        if not ga or not gb:
+            return "not measurable", "-", f"needs {a[0].upper()} cells of {a[1]} and {b[1]}"
+        sa = {s: float(p[key]) for s, p in ga[0]["probe_by_seed"].items() if key in p}
+        sb = {s: float(p[key]) for s, p in gb[0]["probe_by_seed"].items() if key in p}
+        if not sa or not sb:
+            return "not measurable", "-", ("no attention probes in these results (set [protocol] probe = true)"
+                                           if not ga[0]["probes"] else f"the probes have no '{key}'")
+        d = paired_difference(sb, sa) if higher else paired_difference(sa, sb)
+        d["a"], d["b"] = (gb[0]["variant"], ga[0]["variant"]) if higher else (ga[0]["variant"], gb[0]["variant"])
+        return _verdict_less(d, "", key)
+    return test
+
+
+MHA, MLA = "mha", "mla"
+QKMAP, STD, QKN = (MHA, "qkmap", "none"), (MHA, "none", "none"), (MHA, "qknorm", "none")
+
+CLAIMS: list[Claim] = [
+    Claim("QK-MAP", "lower validation loss than Standard attention", "report-split loss, paired over seeds",
+          _less(QKMAP, STD, "report_loss", "report loss")),
+    Claim("QK-MAP", "lower validation loss than QK-Norm", "report-split loss, paired over seeds",
+          _less(QKMAP, QKN, "report_loss", "report loss")),
+    Claim("QK-MAP", "lower training loss than Standard attention", "mean train loss of the last 10% of steps",
+          _less(QKMAP, STD, "train_loss", "train loss")),
+    Claim("QK-MAP", "lower training loss than QK-Norm", "mean train loss of the last 10% of steps",
+          _less(QKMAP, QKN, "train_loss", "train loss")),
+    Claim("QK-MAP", "less attention on the first token than Standard attention",
+          "first-token attention at the last diagnostics step (held-out probe batch)",
+          _less(QKMAP, STD, "first_token", "first-token attention")),
+    Claim("QK-MAP", "keeps sensitivity to input scale (unlike QK-Norm)",
+          "probe: attention JS divergence at input scale x4, QK-MAP minus QK-Norm",
+          _probe_claim("magnitude_js", QKMAP, QKN, higher=True)),
+    Claim("QK-MAP", "stronger attention contrast on relevant evidence at long context",
+          "probe: retrieval evidence log-contrast at the longest context <= training length",
+          _probe_claim("evidence_contrast", QKMAP, STD, higher=True)),
+    Claim("QuacK", "allows a higher base learning rate than no intervention (MHA)",
+          "highest rate of the grid with no diverged seed", _stable_rate((MHA, "none", "quack"), STD)),
+    Claim("QuacK", "allows a higher base learning rate than no intervention (MLA)",
+          "highest rate of the grid with no diverged seed",
+          _stable_rate((MLA, "none", "quack"), (MLA, "none", "none"))),
+    Claim("QuacK", "stable where QK-clip diverges at high rates (MHA)",
+          "highest rate of the grid with no diverged seed",
+          _stable_rate((MHA, "none", "quack"), (MHA, "none", "qkclip"))),
+    Claim("QuacK", "outperforms no intervention in the MLA setting", "report-split loss, paired over seeds",
+          _less((MLA, "none", "quack"), (MLA, "none", "none"), "report_loss", "report loss")),
+    Claim("QuacK", "outperforms QK-Normed MLA in the MLA setting", "report-split loss, paired over seeds",
+          _less((MLA, "none", "quack"), (MLA, "qknorm", "none"), "report_loss", "report loss")),
+    Claim("QuacK", f"competitive with QK-Norm with MHA (not worse by more than {COMPETITIVE_MARGIN} nats)",
+          "report-split loss, paired over seeds",
+          _less((MHA, "none", "quack"), QKN, "report_loss", "report loss", COMPETITIVE_MARGIN)),
+    Claim("QuacK", "better than the fixed-multiplier ablation", "report-split loss, paired over seeds",
+          _less((MHA, "none", "quack"), (MHA, "none", "qk_lr_multiplier"), "report_loss", "report loss")),
+    Claim("QuacK", "keeps attention logits smaller than no intervention", "max attention logit at the end",
+          _less((MHA, "none", "quack"), STD, "max_logit", "max logit")),
+]
+
+
+def claims_table(groups: list[dict[str, Any]]) -> list[dict[str, str]]:
+    rows = []
+    for c in CLAIMS:
+        verdict, measured, reason = c.test(groups)
+        rows.append({"paper": c.paper, "claim": c.text, "measurement": c.measurement, "measured": measured,
+                     "verdict": verdict, "reason": reason})
+    return rows

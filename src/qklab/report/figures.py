@@ -1,0 +1,185 @@
+"""The data behind every figure of a report, and the figures drawn from that data (matplotlib, Agg).
+
+``figure_data(analysis)`` returns plain series (checked by the tests, committed as ``report.json``);
+``draw(data, out)`` only draws them, so what a figure shows is exactly what the data says.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qklab.study.result import num
+
+
+def uniform_first_token(seq_len: int) -> float:
+    """First-token attention of uniform causal attention: mean over query positions i = 1..T-1 of 1/(i+1)."""
+    if not seq_len or seq_len < 2:
+        return float("nan")
+    return float(np.mean(1.0 / np.arange(2, seq_len + 1)))
+
+
+def _band(curves: list[dict[str, list]], key: str) -> dict[str, list[float]]:
+    """Mean, min and max over seeds of curves that share their steps (the shortest run sets the length)."""
+    if not curves:
+        return {"step": [], "mean": [], "lo": [], "hi": [], "n": 0}
+    n = min(len(c["step"]) for c in curves)
+    if n == 0:
+        return {"step": [], "mean": [], "lo": [], "hi": [], "n": len(curves)}
+    y = np.array([[num(v) for v in c[key][:n]] for c in curves], dtype=np.float64)  # (seeds, n)
+    with np.errstate(all="ignore"):
+        return {"step": list(curves[0]["step"][:n]), "mean": np.nanmean(y, axis=0).tolist(),
+                "lo": np.nanmin(y, axis=0).tolist(), "hi": np.nanmax(y, axis=0).tolist(), "n": len(curves)}
+
+
+def figure_data(analysis: dict[str, Any]) -> dict[str, Any]:
+    """Series per figure, keyed by attention type ('mha', 'mla') then variant label."""
+    data: dict[str, Any] = {"val_curves": {}, "train_curves": {}, "lr_sensitivity": {}, "max_logit": {},
+                            "logit_change": {}, "first_token": {}, "probes": {}}
+    for g in analysis["groups"]:
+        att, label = g["attention"], _label(g)
+        data["val_curves"].setdefault(att, {})[label] = _band([c["val"] for c in g["curves"]], "val_loss")
+        data["train_curves"].setdefault(att, {})[label] = _band([c["train"] for c in g["curves"]], "loss")
+        data["max_logit"].setdefault(att, {})[label] = _band([c["max_logit"] for c in g["curves"]], "max_logit")
+        data["logit_change"].setdefault(att, {})[label] = _band(
+            [c["logit_change"] for c in g["curves"]], "logit_change_mean")
+        mults = sorted(g["sweep"])
+        data["lr_sensitivity"].setdefault(att, {})[label] = {
+            "lr": [g["sweep"][m]["lr"] for m in mults], "lr_mult": mults,
+            "mean": [g["sweep"][m]["select"]["mean"] for m in mults],
+            "std": [g["sweep"][m]["select"]["std"] for m in mults],
+            "diverged": [g["sweep"][m]["diverged"] for m in mults], "n": [g["sweep"][m]["n"] for m in mults],
+            "chosen_lr": g["chosen_lr"]}
+        ft = g["stats"]["first_token"]
+        data["first_token"].setdefault(att, {})[label] = {
+            "mean": ft["mean"], "std": ft["std"], "n": ft["n"], "uniform": uniform_first_token(g["seq_len"] or 0)}
+        if g["probes"]:
+            data["probes"].setdefault(att, {})[label] = _probe_series(g["probes"])
+    return data
+
+
+def _label(g: dict[str, Any]) -> str:
+    return g["variant"] + (f" [{g['point']}]" if g["point"] else "") + (f" ({g['study']})" if g.get("multi") else "")
+
+
+def _probe_series(probes: list[dict]) -> dict[str, Any]:
+    """Mean over seeds of each numeric headline of the probe summaries (keys as the probes give them)."""
+    keys = sorted({k for p in probes for k, v in p.items() if isinstance(v, int | float)})
+    out: dict[str, Any] = {}
+    for k in keys:
+        vals = [num(p[k]) for p in probes if k in p]
+        vals = [v for v in vals if math.isfinite(v)]
+        out[k] = float(np.mean(vals)) if vals else float("nan")
+    series = [p.get("evidence_by_length") for p in probes if isinstance(p.get("evidence_by_length"), dict)]
+    if series:
+        out["evidence_by_length"] = series[0] if len(series) == 1 else _mean_dicts(series)
+    return out
+
+
+def _mean_dicts(ds: list[dict]) -> dict:
+    out = {}
+    for k in ds[0]:
+        vals = [num(d[k]) for d in ds if k in d]
+        out[k] = float(np.nanmean(vals)) if vals else float("nan")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# drawing
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _figure(series: dict[str, dict], path: Path, panel, sharey: bool = False) -> Path | None:
+    """One panel per attention type (MHA, MLA), each drawn by ``panel(ax, attention, its series)``."""
+    if not any(series.values()):
+        return None
+    plt = _plt()
+    atts = sorted(series)
+    fig, axes = plt.subplots(1, len(atts), figsize=(6 * len(atts), 4), squeeze=False, sharey=sharey)
+    for ax, att in zip(axes[0], atts, strict=True):
+        panel(ax, att, series[att])
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _curves(title: str, ylabel: str, log_y: bool = False):
+    def panel(ax, att, series):
+        for label, s in series.items():
+            if not s["step"]:
+                continue
+            (line,) = ax.plot(s["step"], s["mean"], label=f"{label} (n={s['n']})")
+            if s["n"] > 1:
+                ax.fill_between(s["step"], s["lo"], s["hi"], color=line.get_color(), alpha=0.2)
+        ax.set_title(f"{title}: {att.upper()}")
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        if log_y:
+            ax.set_yscale("log")
+    return panel
+
+
+def _sensitivity(ax, att, series) -> None:
+    for label, s in series.items():
+        x = np.array(s["lr"], dtype=float)
+        y = np.array(s["mean"], dtype=float)
+        e = np.nan_to_num(np.array(s["std"], dtype=float))
+        (line,) = ax.plot(x, y, "o-", label=label)
+        ax.errorbar(x, y, yerr=e, fmt="none", ecolor=line.get_color(), capsize=3)
+        bad = [xi for xi, d in zip(x, s["diverged"], strict=True) if d]
+        if bad:
+            top = np.nanmax(y) if np.isfinite(y).any() else 1.0
+            ax.plot(bad, [top] * len(bad), "x", color=line.get_color(), markersize=10)
+    ax.set_xscale("log")
+    ax.set_title(f"learning-rate sensitivity: {att.upper()} (x: a seed diverged)")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("final selection-split loss")
+
+
+def _first_token(ax, att, series) -> None:
+    labels = list(series)
+    means = [series[k]["mean"] for k in labels]
+    errs = [0.0 if not math.isfinite(series[k]["std"]) else series[k]["std"] for k in labels]
+    bars = ax.bar(range(len(labels)), means, yerr=errs, capsize=3, color="tab:blue")
+    for b, m in zip(bars, means, strict=True):
+        if math.isfinite(m):
+            ax.text(b.get_x() + b.get_width() / 2, m, f"{m:.3f}", ha="center", va="bottom", fontsize=7)
+    uni = next((s["uniform"] for s in series.values() if math.isfinite(s["uniform"])), float("nan"))
+    if math.isfinite(uni):
+        ax.axhline(uni, color="k", ls="--", lw=1, label=f"uniform attention ({uni:.3f})")
+    ax.axhline(0.3, color="tab:red", ls=":", lw=1, label="sink threshold 0.3")
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+    ax.set_title(f"first-token attention at the end: {att.upper()}")
+    ax.set_ylim(0, 1.1 * max([0.35, *(m for m in means if math.isfinite(m))]))
+
+
+def draw(data: dict[str, Any], out: Path) -> dict[str, Path]:
+    """Draw every figure that has data; returns name -> PNG path."""
+    out.mkdir(parents=True, exist_ok=True)
+    figs = {
+        "val_curves": _figure(data["val_curves"], out / "val_curves.png",
+                              _curves("selection-split loss", "loss (nats)")),
+        "lr_sensitivity": _figure(data["lr_sensitivity"], out / "lr_sensitivity.png", _sensitivity),
+        "max_logit": _figure(data["max_logit"], out / "max_logit.png", _curves("max attention logit", "max logit",
+                                                                                True)),
+        "logit_change": _figure(data["logit_change"], out / "logit_change.png",
+                                _curves("logit change per step", "mean |d logit| / step", True)),
+        "first_token": _figure(data["first_token"], out / "first_token.png", _first_token, sharey=True),
+    }
+    return {k: v for k, v in figs.items() if v is not None}

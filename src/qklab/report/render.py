@@ -1,0 +1,192 @@
+"""``qklab report DIR...``: read result files (never train), write report.md, report.html (figures
+embedded, self-contained), report.json (the data behind every figure and table) and the PNGs."""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+from pathlib import Path
+
+from qklab.config import ConfigError
+from qklab.report.claims import claims_table
+from qklab.report.figures import draw, figure_data
+from qklab.study.analyze import analyze, load_results
+from qklab.study.result import DIVERGENCE_RULE, write_json_atomic
+from qklab.study.stats import fmt_ci, fmt_mean_std
+
+Table = tuple[list[str], list[list[str]]]
+
+
+class ReportError(ConfigError):
+    """Nothing to report (no result files); one line for the user."""
+
+
+def results_table(groups: list[dict]) -> Table:
+    head = ["variant", "attn", "method", "controller", "lr (chosen)", "n", "selection loss", "report loss",
+            "95% CI", "vs reference (paired)", "95% CI", "bootstrap 95%", "p", "max logit", "first token",
+            "diverged", "failed"]
+    rows = []
+    for g in groups:
+        st, sw = g["stats"], g["sweep"]
+        d = g["paired"].get("report_loss")
+        ch = g["chosen"]
+        sel = sw[ch]["select"] if ch is not None else None
+        div = sum(s["diverged"] for s in sw.values())
+        rows.append([
+            g["variant"] + (f" [{g['point']}]" if g["point"] else ""), g["attention"], g["method"] or "-",
+            g["controller"] or "-", f"{g['chosen_lr']:.3g} (x{ch:g})" if ch is not None else "none eligible",
+            str(st["report_loss"]["n"]), fmt_mean_std(sel) if sel else "-", fmt_mean_std(st["report_loss"]),
+            fmt_ci(st["report_loss"]["ci_lo"], st["report_loss"]["ci_hi"]),
+            f"{d['mean']:+.3f} vs {g['reference']}" if d and d["n"] else "-",
+            fmt_ci(d["ci_lo"], d["ci_hi"]) if d else "-", fmt_ci(d["boot_lo"], d["boot_hi"]) if d else "-",
+            f"{d['p']:.3g}" if d and math.isfinite(d["p"]) else "-",
+            fmt_mean_std(st["max_logit"], 1), fmt_mean_std(st["first_token"]),
+            f"{div}/{g['n_cells']}", f"{len(g['failed'])}/{g['n_cells']}"])
+    return head, rows
+
+
+def sensitivity_table(groups: list[dict]) -> Table:
+    mults = sorted({m for g in groups for m in g["sweep"]})
+    head = ["variant", "attn", *[f"x{m:g}" for m in mults], "chosen", "highest stable"]
+    rows = []
+    for g in groups:
+        cells = []
+        for m in mults:
+            s = g["sweep"].get(m)
+            if s is None:
+                cells.append("not run")
+            elif s["diverged"] and s["diverged"] == s["n"] - s["failed"]:
+                cells.append(f"diverged ({s['diverged']}/{s['n']})")
+            else:
+                cells.append(fmt_mean_std(s["select"]) + (f", {s['diverged']} diverged" if s["diverged"] else "")
+                             + (f", {s['failed']} failed" if s["failed"] else ""))
+        hs = g["highest_stable"]
+        rows.append([g["variant"], g["attention"], *cells, f"x{g['chosen']:g}" if g["chosen"] is not None else "-",
+                     f"x{hs:g}" if hs is not None else "-"])
+    return head, rows
+
+
+def throughput_table(groups: list[dict]) -> Table:
+    ref = {}
+    for g in groups:
+        if g["variant"] == g.get("reference"):
+            ref[(g["study"], g["point"], g["attention"])] = g["stats"]["tokens_per_s"]["mean"]
+    head = ["variant", "attn", "tokens/s (mean over seeds)", "relative to reference"]
+    rows = []
+    for g in groups:
+        t = g["stats"]["tokens_per_s"]["mean"]
+        r = ref.get((g["study"], g["point"], g["attention"]))
+        rows.append([g["variant"], g["attention"], f"{t:,.0f}" if math.isfinite(t) else "-",
+                     f"{t / r:.2f}x" if r and math.isfinite(t) and math.isfinite(r) else "-"])
+    return head, rows
+
+
+def failures_table(groups: list[dict]) -> Table:
+    return ["cell", "failure", "log"], [[f["cell"], f["failure"] or "", f["log"] or ""]
+                                        for g in groups for f in g["failed"]]
+
+
+def claims_rows(groups: list[dict]) -> Table:
+    rows = claims_table(groups)
+    return (["paper", "claim", "measurement", "measured here", "verdict", "reason"],
+            [[r["paper"], r["claim"], r["measurement"], r["measured"], f"**{r['verdict']}**", r["reason"]]
+             for r in rows])
+
+
+def md_table(t: Table) -> str:
+    head, rows = t
+    esc = [[c.replace("|", "\\|") for c in r] for r in rows]
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+                      *("| " + " | ".join(r) + " |" for r in esc)]) + "\n"
+
+
+def html_table(t: Table) -> str:
+    head, rows = t
+
+    def cell(c: str) -> str:
+        c = html.escape(c)
+        return f"<b>{c[2:-2]}</b>" if c.startswith("**") and c.endswith("**") else c
+    return ("<table><thead><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr></thead><tbody>"
+            + "".join("<tr>" + "".join(f"<td>{cell(c)}</td>" for c in r) + "</tr>" for r in rows)
+            + "</tbody></table>")
+
+
+def _header(analysis: dict, dirs: list[str]) -> list[str]:
+    studies = analysis["studies"]
+    groups = analysis["groups"]
+    shas = sorted({str(s) for g in groups for s in [g.get("git_sha")] if s})
+    lines = [f"Results: {analysis['n_results']} cells from {', '.join(dirs)}; studies: "
+             f"{', '.join(sorted(studies)) or '-'}."]
+    for name, s in sorted(studies.items()):
+        p = s.get("protocol", {})
+        lines.append(f"- `{name}`: base config `{s.get('config')}`, seeds {s.get('seeds')}, rate multiples "
+                     f"{p.get('lr_mults')}" + (f" (per variant: {p.get('lr_mults_for')})" if p.get("lr_mults_for")
+                                               else "") + f", reference {p.get('reference')}, batch order seed "
+                     f"{p.get('data_seed')} (every cell sees the same tokens in the same order).")
+    lines += ["",
+              "Protocol: each variant's learning rate is chosen on the *selection* half of the held-out text "
+              "(lowest mean final loss over seeds among rates where no seed diverged); every reported loss comes "
+              "from the *report* half, read once at the end. Intervals are 95% t-intervals over seeds; paired "
+              "differences compare two variants on the same seeds, each at its own chosen rate (paired t-test "
+              "and a percentile bootstrap over seeds).",
+              f"Divergence rule: {DIVERGENCE_RULE}."]
+    if shas:
+        lines.append(f"Code (git SHA of the cells): {', '.join(shas)}.")
+    return lines
+
+
+def write_report(dirs: list[str | Path], out: str | Path | None = None, title: str = "qklab report") -> Path:
+    """Write report.{md,html,json} and the figures to ``out`` (default: the first folder's report/)."""
+    results, studies = load_results(dirs)
+    if not results:
+        raise ReportError(f"no result.json under {', '.join(map(str, dirs))}; run `qklab study run` first")
+    analysis = analyze(results, studies)
+    for g in analysis["groups"]:
+        g["multi"] = len(studies) > 1
+        g["git_sha"] = next((r.get("git_sha") for r in results if r.get("variant") == g["variant"]
+                             and r.get("study") == g["study"]), None)
+    out = Path(out) if out else Path(dirs[0]) / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    groups = analysis["groups"]
+    data = figure_data(analysis)
+    figs = draw(data, out)
+    tables = {"results": results_table(groups), "sensitivity": sensitivity_table(groups),
+              "throughput": throughput_table(groups), "claims": claims_rows(groups),
+              "failures": failures_table(groups)}
+    header = _header(analysis, [str(d) for d in dirs])
+    captions = {"val_curves": "Selection-split loss over training at each variant's chosen rate (mean, band: "
+                              "min-max over seeds).",
+                "lr_sensitivity": "Final selection-split loss against the learning rate (mean +- std over seeds).",
+                "max_logit": "Max attention logit on the held-out batch over training.",
+                "logit_change": "Mean absolute logit change per optimizer step between diagnostics.",
+                "first_token": "First-token attention at the last diagnostics step, with the uniform-attention "
+                               "baseline and the 0.3 sink threshold."}
+    sections = [("Claims", "claims"), ("Results (report split)", "results"),
+                ("Learning-rate sensitivity (selection split)", "sensitivity"), ("Throughput", "throughput")]
+    if tables["failures"][1]:
+        sections.append(("Failed cells", "failures"))
+    md = [f"# {title}", "", *header, ""]
+    for name, key in sections:
+        md += [f"## {name}", "", md_table(tables[key])]
+    md += ["## Figures", ""]
+    for k, p in figs.items():
+        md += [f"![{k}]({p.name})", "", captions[k], ""]
+    (out / "report.md").write_text("\n".join(md))
+    body = [f"<h1>{html.escape(title)}</h1>", *(f"<p>{html.escape(x)}</p>" for x in header if x)]
+    for name, key in sections:
+        body += [f"<h2>{html.escape(name)}</h2>", html_table(tables[key])]
+    body.append("<h2>Figures</h2>")
+    for k, p in figs.items():
+        b64 = base64.b64encode(p.read_bytes()).decode()
+        body += [f'<figure><img alt="{k}" src="data:image/png;base64,{b64}"/>'
+                 f"<figcaption>{html.escape(captions[k])}</figcaption></figure>"]
+    style = ("body{font-family:sans-serif;max-width:1400px;margin:2em auto;padding:0 1em}"
+             "table{border-collapse:collapse;font-size:12px;margin:1em 0}td,th{border:1px solid #ccc;"
+             "padding:3px 6px;text-align:left}th{background:#f3f3f3}img{max-width:100%}")
+    (out / "report.html").write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>"
+                                     f"{html.escape(title)}</title><style>{style}</style></head><body>"
+                                     + "\n".join(body) + "</body></html>\n")
+    write_json_atomic(out / "report.json", {"figures": data, "tables": {k: {"head": h, "rows": r}
+                                                                         for k, (h, r) in tables.items()}})
+    return out

@@ -1,0 +1,129 @@
+"""The fair protocol: per variant, choose the learning rate on the selection split, report on the report
+split, and compare each variant with its reference on the same seeds.
+
+* A *group* is one variant at one grid point of one study; its cells differ in rate multiple and seed.
+* A rate is *eligible* when every one of its seeds finished and none diverged. The chosen rate is the
+  eligible rate with the lowest mean selection-split loss (ties: the lower rate). ``select_rate`` sees
+  only selection losses; report losses are read afterwards, at the chosen rate only.
+* The highest stable rate is the highest rate at which no seed diverged (failed cells do not count).
+* Paired differences: the group's report loss minus its reference's (the variant named by
+  ``[protocol] reference`` for this attention type, same study and grid point), each at its own chosen
+  rate, over the seeds both have.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from qklab.study.result import num, read_result
+from qklab.study.stats import describe, paired_difference
+
+
+def load_results(dirs: list[str | Path]) -> tuple[list[dict], dict[str, dict]]:
+    """Every ``result.json`` under the given folders, and every ``study.json`` (name -> study)."""
+    results, studies = [], {}
+    for d in dirs:
+        d = Path(d)
+        for p in sorted(d.rglob("study.json")):
+            s = read_result(p)
+            if s is not None:
+                studies[s.get("name", p.parent.name)] = s
+        for p in sorted(d.rglob("result.json")):
+            r = read_result(p)
+            if r is not None and "cell" in r:
+                results.append(r)
+    return results, studies
+
+
+def select_rate(select: Mapping[float, list[float]], eligible: Mapping[float, bool]) -> float | None:
+    """The eligible rate multiple with the lowest mean selection loss (ties: the lower rate)."""
+    best = None
+    for m in sorted(select):
+        xs = select[m]
+        if not eligible.get(m) or not xs or not all(math.isfinite(x) for x in xs):
+            continue
+        mean = sum(xs) / len(xs)
+        if best is None or mean < best[1]:
+            best = (m, mean)
+    return None if best is None else best[0]
+
+
+def _key(r: dict) -> tuple[str, str, str]:
+    point = ",".join(f"{k}={v}" for k, v in sorted(r.get("point", {}).items()))
+    return r.get("study", ""), r["variant"], point
+
+
+def analyze(results: list[dict], studies: dict[str, dict]) -> dict[str, Any]:
+    """Groups with their rate sweep, chosen rate, report statistics and paired differences."""
+    cells: dict[tuple, list[dict]] = defaultdict(list)
+    for r in results:
+        cells[_key(r)].append(r)
+    groups: dict[tuple, dict[str, Any]] = {}
+    for key, rs in cells.items():
+        groups[key] = _group(key, rs)
+    for key, g in groups.items():
+        study, _, point = key
+        names = list(studies.get(study, {}).get("variants", {}))
+        g["order"] = names.index(g["variant"]) if g["variant"] in names else len(names)
+        ref = _reference(studies.get(study, {}), g["attention"])
+        g["reference"] = ref
+        rg = groups.get((study, ref, point)) if ref else None
+        g["paired"] = {}
+        if rg is not None and rg is not g and g["chosen"] is not None and rg["chosen"] is not None:
+            for metric in ("report_loss", "train_loss", "max_logit", "first_token"):
+                g["paired"][metric] = paired_difference(g["at_chosen"][metric], rg["at_chosen"][metric])
+    ordered = sorted(groups.values(), key=lambda g: (g["study"], g["point"], g["attention"], g["order"]))
+    return {"groups": ordered, "studies": studies, "n_results": len(results)}
+
+
+def _reference(study: dict, attention: str) -> str | None:
+    ref = study.get("protocol", {}).get("reference", {})
+    if isinstance(ref, str):
+        return ref
+    return ref.get(attention, ref.get("*"))
+
+
+def _group(key: tuple, rs: list[dict]) -> dict[str, Any]:
+    study, variant, point = key
+    ok = [r for r in rs if r["status"] != "failed"]
+    first = ok[0] if ok else rs[0]
+    by_mult: dict[float, list[dict]] = defaultdict(list)
+    for r in rs:
+        by_mult[float(r["lr_mult"])].append(r)
+    sweep, select, eligible = {}, {}, {}
+    for m, cs in sorted(by_mult.items()):
+        fin = [c for c in cs if c["status"] != "failed"]
+        div = [c for c in fin if c["diverged"]]
+        select[m] = [num(c["final"]["val_loss"]) for c in fin]
+        eligible[m] = bool(fin) and not div and len(fin) == len(cs)
+        sweep[m] = {"lr": num(fin[0]["lr"]) if fin else float("nan"), "n": len(cs), "diverged": len(div),
+                    "failed": len(cs) - len(fin), "select": describe([x for c, x in zip(fin, select[m], strict=True)
+                                                                         if not c["diverged"]])}
+    chosen = select_rate(select, eligible)
+    stable = [m for m, s in sweep.items() if s["diverged"] == 0 and s["n"] > s["failed"]]
+    at: dict[str, dict[int, float]] = {k: {} for k in ("report_loss", "val_loss", "train_loss", "max_logit",
+                                                        "first_token", "logit_change", "tokens_per_s")}
+    chosen_cells = [c for c in by_mult.get(chosen, []) if c["status"] != "failed"] if chosen is not None else []
+    for c in chosen_cells:  # the report split is read here, after the choice, at the chosen rate only
+        f = c["final"]
+        for k in ("report_loss", "val_loss", "train_loss", "max_logit", "first_token", "logit_change"):
+            at[k][c["seed"]] = num(f.get(k))
+        at["tokens_per_s"][c["seed"]] = num(c.get("tokens_per_s"))
+    cfg = first.get("config", {})
+    return {"study": study, "variant": variant, "point": point, "order": 0,
+            "attention": first.get("attention", cfg.get("model", {}).get("attention", "mha")),
+            "method": first.get("method"), "controller": first.get("controller"),
+            "seq_len": cfg.get("train", {}).get("seq_len"), "n_cells": len(rs),
+            "failed": [{"cell": r["cell"], "failure": r.get("failure"), "log": r.get("log")}
+                       for r in rs if r["status"] == "failed"],
+            "sweep": sweep, "chosen": chosen, "chosen_lr": sweep[chosen]["lr"] if chosen is not None else None,
+            "highest_stable": max(stable) if stable else None, "at_chosen": at,
+            "stats": {k: describe(list(v.values())) for k, v in at.items()},
+            "curves": [c["curves"] for c in chosen_cells], "heads": [c.get("heads", {}) for c in chosen_cells],
+            "probes": [c["probe"] for c in chosen_cells if c.get("probe")],
+            "probe_by_seed": {c["seed"]: c["probe"] for c in chosen_cells if c.get("probe")},
+            "unigram_entropy": num(first.get("unigram_entropy"))}

@@ -1,0 +1,59 @@
+"""``qklab study run|status FILE``: the command-line side of studies (the CLI module stays thin)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from qklab.config import ConfigError, resolve_named_file
+from qklab.study.runner import Outcome, cell_status, run_study
+from qklab.study.spec import Study, load_study
+
+STUDY_DIR = Path(__file__).resolve().parents[3] / "studies"
+
+
+def resolve_study(spec: str) -> Path:
+    """'demo', 'studies/demo.toml' or any path -> an existing study file."""
+    return resolve_named_file(spec, STUDY_DIR, "study", "study")
+
+
+def _workers(n: int | None, study_raw_workers: int | None) -> int:
+    w = n if n is not None else (study_raw_workers or 1)
+    if w < 0:
+        raise ConfigError(f"--workers {w}: use 0 (in this process), 1 or more")
+    return w
+
+
+def run_and_report(study: Study, out: str | Path | None, results: str | Path | None, workers: int,
+                   report: bool = True) -> tuple[Outcome, Path | None]:
+    out = Path(out or Path("runs") / "studies" / study.name)
+    results = Path(results) if results else out / "results"
+    outcome = run_study(study, out, results, workers=workers)
+    path = None
+    if report and outcome.results:
+        from qklab.report import write_report
+
+        path = write_report([results], out=out / "report", title=f"qklab study: {study.name}")
+        print(f"report: {path / 'report.html'}")
+    return outcome, path
+
+
+def study_command(args: argparse.Namespace) -> int:
+    import tomllib
+
+    path = resolve_study(args.file)
+    study = load_study(path)
+    default_workers = tomllib.loads(path.read_text()).get("study", {}).get("workers")
+    out = Path(args.out or Path("runs") / "studies" / study.name)
+    results = Path(args.results) if args.results else out / "results"
+    if args.action == "status":
+        rows = [(c.id, cell_status(c, results, out)) for c in study.cells]
+        for cid, (status, res) in rows:
+            detail = (res or {}).get("status", "") if status != "done" else res["status"]
+            print(f"{cid:<40} {status:<6} {detail}")
+        done = sum(s == "done" for _, (s, _) in rows)
+        print(f"{study.name}: {done}/{len(rows)} cells done; results in {results}")
+        return 0
+    outcome, _ = run_and_report(study, out, results, _workers(args.workers, default_workers),
+                                report=not args.no_report)
+    return 1 if outcome.counts()["failed"] else 0

@@ -1,0 +1,145 @@
+"""One cell's ``result.json``: a small, self-contained record of a finished (or failed) training run.
+
+Everything a report needs is in it (config, git SHA, corpus fingerprint, losses on both held-out parts,
+downsampled curves, per-head summaries at the end, speed, the divergence verdict), so a report can be
+rebuilt from committed result files alone. Files are written atomically (temporary file, fsync, rename).
+
+Divergence rule (shared/specs/analyses.md, item 7): a cell diverged if a loss or gradient was non-finite
+(recorded as an event, or the run stopped on it), or if its final selection-split loss is above the
+unigram entropy of the selection tokens (it learned nothing beyond token frequencies). A diverged cell
+is a result; a failed cell (any other exception) is not, and is run again on the next invocation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from qklab.diagnostics.stability import stability_summary
+
+SCHEMA = 1
+CURVE_POINTS = 64
+HEAD_KEYS = ("max_logit", "logit_change", "first_token", "entropy", "q_norm", "k_norm", "wq_norm", "wk_norm")
+DIVERGENCE_RULE = ("diverged = a non-finite loss or gradient was met, or the final selection-split loss is above "
+                   "the unigram entropy of the selection tokens (analyses.md item 7)")
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(_finite(data), indent=1) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _finite(v: Any) -> Any:
+    """NaN/inf as strings, so the file is strict JSON; read_result turns them back into floats."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_finite(x) for x in v]
+    return v
+
+
+def _num(v: Any) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def downsample(xs: list, n: int = CURVE_POINTS) -> list:
+    """At most n evenly spaced entries of xs, the first and last always kept."""
+    if len(xs) <= n:
+        return list(xs)
+    idx = sorted({round(i * (len(xs) - 1) / (n - 1)) for i in range(n)})
+    return [xs[i] for i in idx]
+
+
+def _curve(records: list[dict], key: str) -> dict[str, list]:
+    pts = [(r["step"], _num(r[key])) for r in records if key in r]
+    pts = downsample(pts)
+    return {"step": [p[0] for p in pts], key: [p[1] for p in pts]}
+
+
+def cell_header(cell, study: str, log_path: Path) -> dict[str, Any]:
+    return {"schema": SCHEMA, "study": study, "cell": cell.id, "variant": cell.variant,
+            "point": {k: v for k, v in cell.point}, "lr_mult": cell.lr_mult, "seed": cell.seed,
+            "log": str(log_path)}
+
+
+def build_result(header: dict[str, Any], run_dir: Path, records: list[dict], unigram: float,
+                 cell_hash: str, seconds: float, stopped: str | None = None) -> dict[str, Any]:
+    """The result of a cell whose training ended (normally, or stopped on a non-finite value)."""
+    info = json.loads((run_dir / "config.json").read_text())
+    evals = [r for r in records if "val_loss" in r]
+    diags = [r for r in records if "diag" in r]
+    losses = [_num(r["loss"]) for r in records if "loss" in r]
+    stab = stability_summary(records)
+    final_val = _num(evals[-1]["val_loss"]) if evals else float("nan")
+    report = next((_num(r["report_loss"]) for r in reversed(records) if "report_loss" in r), float("nan"))
+    nonfinite = bool(stopped) or bool(stab["nonfinite_steps"]) or any(not math.isfinite(x) for x in losses)
+    reason = None
+    if nonfinite:
+        reason = "non-finite loss or gradient" + (f" ({stopped})" if stopped else "")
+    elif not math.isfinite(final_val) or final_val > unigram:
+        reason = f"final selection loss {final_val:.4f} above the unigram entropy {unigram:.4f}"
+    tail = losses[-max(1, len(losses) // 10):]
+    last_diag = diags[-1]["diag"] if diags else {}
+    heads = {k: last_diag[k] for k in HEAD_KEYS if k in last_diag}
+    ctrl = next((r for r in reversed(records) if any(k.startswith("quack_") for k in r)), {})
+    heads.update({k: v for k, v in ctrl.items() if k.startswith("quack_") and isinstance(v, list)})
+    tps = [_num(r["tokens_per_s"]) for r in records if "tokens_per_s" in r]
+    steady = tps[len(tps) // 5:] or tps
+    m, q = info["model"], info["qk"]
+    return {**header, "status": "diverged" if reason else "ok", "diverged": bool(reason), "divergence": reason,
+            "failure": None, "cell_hash": cell_hash, "git_sha": info.get("git_sha"), "corpus": info.get("corpus"),
+            "config": {k: info[k] for k in ("model", "qk", "data", "train", "preset") if k in info},
+            "versions": info.get("versions"), "n_params": info.get("n_params"), "device": info.get("device"),
+            "attention": m["attention"], "method": q["method"], "controller": q["controller"],
+            "lr": info["train"]["lr"], "unigram_entropy": unigram,
+            "final": {"step": records[-1]["step"] if records else 0, "val_loss": final_val, "report_loss": report,
+                      "train_loss": statistics.fmean(tail) if tail else float("nan"),
+                      "max_logit": _num(evals[-1].get("max_logit")) if evals else float("nan"),
+                      "first_token": _num(last_diag.get("first_token_mean")),
+                      "sink_rate": _num(last_diag.get("sink_rate")),
+                      "logit_change": _num(last_diag.get("logit_change_mean"))},
+            "best_val_loss": min((_num(r["val_loss"]) for r in evals), default=float("nan")),
+            "curves": {"train": _curve(records, "loss"), "val": _curve(evals, "val_loss"),
+                       "max_logit": _curve(evals, "max_logit"),
+                       "logit_change": _curve([{"step": r["step"], **r["diag"]} for r in diags], "logit_change_mean"),
+                       "first_token": _curve([{"step": r["step"], **r["diag"]} for r in diags], "first_token_mean")},
+            "heads": heads, "tokens_per_s": statistics.median(steady) if steady else float("nan"),
+            "spikes": len(stab["spikes"]), "nonfinite_steps": len(stab["nonfinite_steps"]),
+            "seconds": seconds, "probe": None}
+
+
+def failed_result(header: dict[str, Any], message: str, cell_hash: str | None, seconds: float) -> dict[str, Any]:
+    return {**header, "status": "failed", "diverged": False, "divergence": None, "failure": message,
+            "cell_hash": cell_hash, "seconds": seconds}
+
+
+def read_result(path: Path) -> dict[str, Any] | None:
+    """A result file, or None when it is missing or unreadable (then the cell counts as not done)."""
+    try:
+        return json.loads(Path(path).read_text(), parse_constant=float)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def num(v: Any) -> float:
+    """A number from a result file (NaN/inf were stored as strings)."""
+    return _num(v)

@@ -1,0 +1,264 @@
+"""Run a study's cells in worker processes; each cell is a plain training run in its own folder.
+
+    runs/studies/<name>/            (--out)
+        cells/<cell>/               the cell's run folder (config.json, metrics.jsonl, ckpt/)
+        logs/<cell>.log             everything the cell printed, tracebacks included
+    <results>/                      (--results; default <out>/results; commit it under docs/results/)
+        study.json                  the study as run: grid, variants, protocol, cell ids
+        <cell>/result.json          one per finished or failed cell
+
+A cell whose result file exists, says ok or diverged and matches the cell's config hash is done and
+skipped, so a study continues from committed results alone, on another machine. A failed cell is run
+again. An interrupted cell resumes from its last checkpoint. Each worker process gets an equal share of
+the CPU threads. Data is prepared once per distinct ``data.*`` config, before any cell starts.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from qklab.study.result import build_result, cell_header, failed_result, read_result, write_json_atomic
+from qklab.study.spec import Cell, Study, cell_hash
+
+DONE = ("ok", "diverged")
+
+
+@dataclass
+class Outcome:
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)  # cell id -> result
+    ran: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def counts(self) -> Counter:
+        return Counter(r["status"] for r in self.results.values())
+
+
+def _cell_cfg(cell: Cell, out: Path, threads: int):
+    return cell.config([f"train.out_dir={str(out / 'cells')!r}", f"train.name={cell.id}",
+                        "train.progress=false", f"train.threads={threads}"])
+
+
+def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, probe: bool) -> dict[str, Any]:
+    """Train one cell and write its result file; never raises for a failure of the cell itself."""
+    from qklab.data import prepare_data, unigram_entropy
+    from qklab.diagnostics.stability import NonFiniteError
+    from qklab.train.checkpoint import latest_checkpoint
+    from qklab.train.metrics import read_metrics
+    from qklab.train.trainer import Trainer
+
+    log_path = out / "logs" / f"{cell.id}.log"
+    header = cell_header(cell, study, log_path)
+    t0, chash = time.time(), None
+    try:
+        cfg = _cell_cfg(cell, out, threads)
+        chash = cell_hash(cfg)
+        run_dir = Path(cfg.train.out_dir) / cfg.train.name
+        mark = run_dir / "cell.json"  # the config hash the run folder was started with
+        started = read_result(mark) or {}
+        resume = latest_checkpoint(run_dir / "ckpt") is not None and started.get("cell_hash") == chash
+        data = prepare_data(cfg.data)
+        if not resume:  # the folder belongs to this study's cell: start it afresh
+            shutil.rmtree(run_dir, ignore_errors=True)
+        trainer = Trainer(cfg, resume=resume, data=data)
+        write_json_atomic(mark, {"cell_hash": chash})
+        stopped = None
+        try:
+            trainer.run()
+        except NonFiniteError as e:  # a diverged cell is a result, not a failure
+            stopped = str(e)
+        unigram = unigram_entropy(data.select_tokens(), data.vocab_size)
+        res = build_result(header, run_dir, read_metrics(run_dir / "metrics.jsonl"), unigram, chash,
+                           time.time() - t0, stopped)
+        if probe and not res["diverged"]:
+            res["probe"] = _probe(run_dir)
+    except Exception as e:  # any failure of the cell is recorded and the study goes on
+        traceback.print_exc()
+        res = failed_result(header, f"{type(e).__name__}: {e}".splitlines()[0], chash, time.time() - t0)
+    write_json_atomic(results / cell.id / "result.json", res)
+    return res
+
+
+def _probe(run_dir: Path) -> dict[str, Any]:
+    """Headline attention probes of the cell's last checkpoint (qklab probe), written beside the run."""
+    import json
+
+    from qklab.diagnostics.probe import run_probe
+
+    run_probe(run_dir, out=run_dir / "probe")
+    full = json.loads((run_dir / "probe" / "probes.json").read_text())
+    try:
+        from qklab.diagnostics import probe_summary
+    except ImportError:
+        return {"raw": full}
+    return probe_summary(full)
+
+
+def _worker(cell: Cell, study: str, out: Path, results: Path, threads: int, probe: bool) -> None:
+    """Entry point of a worker process: everything it prints goes to the cell's log."""
+    log = out / "logs" / f"{cell.id}.log"
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+    run_cell(cell, study, out, results, threads, probe)
+
+
+def _last_step(run_dir: Path) -> int:
+    """The step of the last record in a running cell's metrics.jsonl (0 if none yet)."""
+    import json
+
+    p = run_dir / "metrics.jsonl"
+    try:
+        with open(p, "rb") as f:
+            f.seek(max(0, p.stat().st_size - 4096))
+            lines = f.read().decode(errors="replace").splitlines()
+        for ln in reversed(lines):
+            try:
+                return int(json.loads(ln)["step"])
+            except (ValueError, KeyError, TypeError):
+                continue
+    except OSError:
+        pass
+    return 0
+
+
+def cell_status(cell: Cell, results: Path, out: Path) -> tuple[str, dict | None]:
+    """'done' (a matching ok/diverged result exists), 'stale' (one exists for another config) or 'todo'."""
+    res = read_result(results / cell.id / "result.json")
+    if res is None or res.get("status") not in DONE:
+        return "todo", res
+    if res.get("cell_hash") != cell_hash(_cell_cfg(cell, out, 1)):
+        return "stale", res
+    return "done", res
+
+
+def run_study(study: Study, out: Path, results: Path | None = None, workers: int = 1,
+              log=print) -> Outcome:
+    """Run every cell that is not done; ``workers`` processes at a time (0: in this process, serially)."""
+    from qklab.data import prepare_data
+
+    out, results = Path(out), Path(results or Path(out) / "results")
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    results.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(results / "study.json", study.to_dict())
+    outcome = Outcome()
+    todo: list[Cell] = []
+    stale = 0
+    for cell in study.cells:
+        status, res = cell_status(cell, results, out)
+        if status == "done":
+            outcome.results[cell.id], _ = res, outcome.skipped.append(cell.id)
+        else:
+            stale += status == "stale"
+            todo.append(cell)
+    log(f"study {study.name}: {len(study.cells)} cells, {len(outcome.skipped)} done, {len(todo)} to run"
+        + (f" ({stale} with results of a changed config)" if stale else "") + f"; results in {results}")
+    if not todo:
+        return outcome
+    # data: once per distinct data config, before any worker starts (workers then reuse the cache)
+    by_data: dict[str, list[Cell]] = {}
+    for cell in todo:
+        by_data.setdefault(repr(cell.config().data), []).append(cell)
+    runnable: list[Cell] = []
+    for cells in by_data.values():
+        try:
+            prepare_data(cells[0].config().data, log=log)
+            runnable += cells
+        except Exception as e:  # every cell on this data fails, the others go on
+            msg = f"data preparation failed: {type(e).__name__}: {e}".splitlines()[0]
+            for cell in cells:
+                res = failed_result(cell_header(cell, study.name, out / "logs" / f"{cell.id}.log"), msg, None, 0.0)
+                write_json_atomic(results / cell.id / "result.json", res)
+                outcome.results[cell.id] = res
+                outcome.ran.append(cell.id)
+            log(f"  {len(cells)} cell(s) failed: {msg}")
+    runnable.sort(key=todo.index)
+    for cell in runnable:  # an old result of a cell about to run must not be mistaken for its new one
+        (results / cell.id / "result.json").unlink(missing_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // max(workers, 1))
+    steps = {c.id: c.config().train.steps for c in runnable}
+    bar = tqdm(total=sum(steps.values()), unit="step", desc=study.name, dynamic_ncols=True,
+               disable=not sys.stderr.isatty() and not os.environ.get("QKLAB_PROGRESS"))
+    try:
+        if workers <= 0:
+            for cell in runnable:
+                res = run_cell(cell, study.name, out, results, threads, study.protocol.probe)
+                _finish(cell, res, outcome, bar, steps, log)
+        else:
+            _pool(runnable, study, out, results, workers, threads, outcome, bar, steps, log)
+    finally:
+        bar.close()
+    c = outcome.counts()
+    log(f"study {study.name}: {c['ok']} ok, {c['diverged']} diverged, {c['failed']} failed "
+        f"({len(outcome.ran)} run now, {len(outcome.skipped)} skipped)")
+    return outcome
+
+
+def _finish(cell: Cell, res: dict, outcome: Outcome, bar, steps: dict[str, int], log) -> None:
+    outcome.results[cell.id] = res
+    outcome.ran.append(cell.id)
+    what = {"ok": "ok", "diverged": f"diverged ({res.get('divergence')})",
+            "failed": f"FAILED: {res.get('failure')} (log: {res.get('log')})"}[res["status"]]
+    extra = ""
+    if res["status"] != "failed":
+        f = res["final"]
+        extra = f"  val {float(f['val_loss']):.4f}  report {float(f['report_loss']):.4f}  {res['seconds']:.0f} s"
+    (bar.write if not bar.disable else log)(f"  {cell.id}: {what}{extra}")
+    c = outcome.counts()
+    bar.set_postfix_str(f"done {c['ok']} diverged {c['diverged']} failed {c['failed']}")
+
+
+def _pool(cells: list[Cell], study: Study, out: Path, results: Path, workers: int, threads: int,
+          outcome: Outcome, bar, steps: dict[str, int], log) -> None:
+    ctx = mp.get_context("spawn")  # a clean interpreter per cell: no inherited threads or torch state
+    queue, running = list(cells), {}
+    counted: dict[str, int] = {}
+    progress = {"steps": 0}
+    t_start = last_note = time.time()
+    try:
+        while queue or running:
+            while queue and len(running) < workers:
+                cell = queue.pop(0)
+                p = ctx.Process(target=_worker, name=f"qklab-{cell.id}", daemon=False,
+                                args=(cell, study.name, out, results, threads, study.protocol.probe))
+                p.start()
+                running[cell.id] = (cell, p)
+            time.sleep(0.5)
+            for cid, (cell, p) in list(running.items()):
+                done_steps = steps[cid] if not p.is_alive() else min(_last_step(out / "cells" / cid), steps[cid])
+                bar.update(done_steps - counted.get(cid, 0))
+                counted[cid] = done_steps
+                progress["steps"] = sum(counted.values())
+                if p.is_alive():
+                    continue
+                p.join()
+                del running[cid]
+                res = read_result(results / cid / "result.json")
+                if res is None or (p.exitcode != 0 and res.get("status") not in DONE + ("failed",)):
+                    res = failed_result(cell_header(cell, study.name, out / "logs" / f"{cid}.log"),
+                                        f"worker process exited with code {p.exitcode} before writing a result",
+                                        None, 0.0)
+                    write_json_atomic(results / cid / "result.json", res)
+                _finish(cell, res, outcome, bar, steps, log)
+            if bar.disable and time.time() - last_note > 60:  # no terminal: a line a minute, with an ETA
+                c, done, total = outcome.counts(), progress["steps"], sum(steps.values())
+                eta = (time.time() - t_start) * (total - done) / done if done else float("nan")
+                log(f"  {done}/{total} steps; running {len(running)}, done {c['ok']}, diverged {c['diverged']}, "
+                    f"failed {c['failed']}, queued {len(queue)}; ETA {eta / 60:.1f} min")
+                last_note = time.time()
+    finally:
+        for _, p in running.values():  # interrupted: stop the workers; their checkpoints stay for a resume
+            p.terminate()
+            p.join()

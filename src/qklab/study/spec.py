@@ -1,0 +1,249 @@
+"""Study files: a grid of config keys x variants x learning rates x seeds, expanded into cells.
+
+    [study]
+    name = "demo"                    # default: the file's stem
+    config = "small"                 # base preset or TOML path of every cell
+    seeds = [0, 1]
+    set = { "train.steps" = 150 }    # config keys applied to every cell
+
+    [grid]                           # optional: every combination, crossed with the variants
+    "model.d_model" = [64, 128]
+
+    [variants.none]                  # one table per variant: config keys (dotted), and optionally
+    "qk.method" = "none"             # config = "<preset>" to start from another preset
+    [variants.quack]
+    "qk.controller" = "quack"
+
+    [protocol]
+    reference = "none"               # paired differences against this variant ({mha = .., mla = ..} per attention)
+    lr_mults = [0.5, 1, 2]           # each variant's own grid, in multiples of its own base rate
+    lr_mults_for = { qkmap = [1, 2, 4] }
+    lr_key = "train.lr"
+    data_seed = 0                    # every cell sees the same batches in the same order
+    probe = false                    # attention probes (first-token attention, evidence) on each finished cell
+
+A cell is one plain training run. Its id names the variant, grid point, rate multiple and seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qklab.config import ConfigError, RunConfig, load_config
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# keys that do not change what a cell computes (where it writes, how it shows progress, its threads)
+NEUTRAL_KEYS = {("train", "out_dir"), ("train", "name"), ("train", "progress"), ("train", "threads")}
+
+
+@dataclass
+class Protocol:
+    reference: dict[str, str] = field(default_factory=dict)  # attention ('mha'/'mla', '*': any) -> variant
+    lr_mults: list[float] = field(default_factory=lambda: [1.0])
+    lr_mults_for: dict[str, list[float]] = field(default_factory=dict)
+    lr_key: str = "train.lr"
+    data_seed: int = 0
+    probe: bool = False
+
+    def mults(self, variant: str) -> list[float]:
+        return self.lr_mults_for.get(variant, self.lr_mults)
+
+    def reference_for(self, attention: str) -> str | None:
+        return self.reference.get(attention, self.reference.get("*"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"reference": self.reference, "lr_mults": self.lr_mults, "lr_mults_for": self.lr_mults_for,
+                "lr_key": self.lr_key, "data_seed": self.data_seed, "probe": self.probe}
+
+
+@dataclass(frozen=True)
+class Cell:
+    id: str
+    variant: str
+    point: tuple[tuple[str, Any], ...]  # grid values, (key, value)
+    lr_mult: float
+    seed: int
+    preset: str
+    overrides: tuple[str, ...]  # --set items, in order
+
+    def config(self, extra: list[str] | None = None) -> RunConfig:
+        return load_config(self.preset, [*self.overrides, *(extra or [])])
+
+
+@dataclass
+class Study:
+    name: str
+    path: Path | None
+    preset: str
+    seeds: list[int]
+    common: dict[str, Any]
+    grid: dict[str, list[Any]]
+    variants: dict[str, dict[str, Any]]
+    protocol: Protocol
+    cells: list[Cell] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "config": self.preset, "seeds": self.seeds, "set": self.common,
+                "grid": self.grid, "variants": self.variants, "protocol": self.protocol.to_dict(),
+                "cells": [c.id for c in self.cells]}
+
+
+def toml_value(v: Any) -> str:
+    """A Python value as the right-hand side of a --set item."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    raise ConfigError(f"value {v!r} cannot be set from a study file; use a string, number, boolean or list")
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'qk': {'method': 'x'}} and {'qk.method': 'x'} both -> {'qk.method': 'x'}."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _sets(d: dict[str, Any]) -> list[str]:
+    return [f"{k}={toml_value(v)}" for k, v in flatten(d).items()]
+
+
+def _label(v: Any) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "", str(v)) or "x"
+
+
+def cell_hash(cfg: RunConfig) -> str:
+    """Hash of everything that decides what a cell computes (not where it writes or its threads)."""
+    d = cfg.to_dict()
+    for sec, key in NEUTRAL_KEYS:
+        d[sec].pop(key, None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _need(cond: bool, where: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{where}: {msg}")
+
+
+def _num_list(v: Any, where: str) -> list[float]:
+    ok = isinstance(v, list) and v and all(isinstance(x, int | float) and not isinstance(x, bool) and x > 0 for x in v)
+    _need(bool(ok), where, f"{v!r} must be a non-empty list of positive numbers, e.g. [0.5, 1, 2]")
+    return [float(x) for x in v]
+
+
+def parse_study(raw: dict[str, Any], name: str, path: Path | None = None) -> Study:
+    """Build and validate a study from its parsed TOML; every cell's config is checked up front."""
+    known = {"study", "grid", "variants", "protocol"}
+    extra = set(raw) - known
+    _need(not extra, "study file", f"unknown section(s) {', '.join(sorted(extra))}; use {', '.join(sorted(known))}")
+    s = raw.get("study", {})
+    _need(isinstance(s, dict), "[study]", "must be a table")
+    bad = set(s) - {"name", "config", "seeds", "set", "workers"}
+    _need(not bad, "[study]", f"unknown key(s) {', '.join(sorted(bad))}; use name, config, seeds, set, workers")
+    name = s.get("name", name)
+    _need(isinstance(name, str) and bool(NAME_RE.match(name)), "[study] name",
+          f"{name!r} must be a plain name (letters, digits, . _ -)")
+    preset = s.get("config", "small")
+    seeds = s.get("seeds", [0])
+    _need(isinstance(seeds, list) and bool(seeds) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                          for x in seeds) and len(set(seeds)) == len(seeds),
+          "[study] seeds", f"{seeds!r} must be a non-empty list of distinct integers >= 0")
+    common = s.get("set", {})
+    _need(isinstance(common, dict), "[study] set", "must be a table of config keys, e.g. { \"train.steps\" = 100 }")
+    grid = flatten(raw.get("grid", {}))
+    for k, v in grid.items():
+        _need(isinstance(v, list) and bool(v), f"[grid] {k}", f"{v!r} must be a non-empty list of values")
+    variants = raw.get("variants", {"default": {}})
+    _need(isinstance(variants, dict) and bool(variants), "[variants]", "give at least one [variants.<label>] table")
+    for label, v in variants.items():
+        _need(bool(NAME_RE.match(label)), f"variant '{label}'", "labels must be plain names (letters, digits, . _ -)")
+        _need(isinstance(v, dict), f"variant '{label}'", "must be a table of config keys")
+    p = raw.get("protocol", {})
+    _need(isinstance(p, dict), "[protocol]", "must be a table")
+    bad = set(p) - set(Protocol.__dataclass_fields__)
+    _need(not bad, "[protocol]",
+          f"unknown key(s) {', '.join(sorted(bad))}; use {', '.join(Protocol.__dataclass_fields__)}")
+    ref = p.get("reference", {})
+    ref = {"*": ref} if isinstance(ref, str) else ref
+    _need(isinstance(ref, dict) and all(r in variants for r in ref.values()), "[protocol] reference",
+          f"{p.get('reference')!r} must name a variant (or a table attention -> variant); "
+          f"variants: {', '.join(variants)}")
+    proto = Protocol(reference=ref, lr_mults=_num_list(p.get("lr_mults", [1.0]), "[protocol] lr_mults"),
+                     lr_mults_for={k: _num_list(v, f"[protocol] lr_mults_for.{k}")
+                                   for k, v in p.get("lr_mults_for", {}).items()},
+                     lr_key=p.get("lr_key", "train.lr"), data_seed=p.get("data_seed", 0), probe=p.get("probe", False))
+    for k in proto.lr_mults_for:
+        _need(k in variants, "[protocol] lr_mults_for", f"'{k}' is not a variant; variants: {', '.join(variants)}")
+    _need(isinstance(proto.data_seed, int) and proto.data_seed >= -1, "[protocol] data_seed",
+          "use a seed >= 0 (the same batches in every cell) or -1 (each seed its own order)")
+    study = Study(name, path, preset, list(seeds), common, grid, variants, proto)
+    study.cells = expand(study)
+    return study
+
+
+def expand(study: Study) -> list[Cell]:
+    """All cells, seed-major (a study cut short still has every variant at its first seeds)."""
+    cells: list[Cell] = []
+    points = [tuple(zip(study.grid, combo, strict=True)) for combo in itertools.product(*study.grid.values())]
+    base_sets = _sets(study.common)
+    p = study.protocol
+    bases: dict[tuple, float] = {}
+    for seed in study.seeds:
+        for point in points:
+            for label, raw in study.variants.items():
+                raw = dict(raw)
+                preset = raw.pop("config", study.preset)
+                where = f"variant '{label}'" + (f" at {dict(point)}" if point else "")
+                sets = [*base_sets, *[f"{k}={toml_value(v)}" for k, v in point], *_sets(raw)]
+                key = (label, point)
+                if key not in bases:  # the variant's own base rate at this grid point
+                    try:
+                        cfg = load_config(preset, sets)
+                    except ConfigError as e:
+                        raise ConfigError(f"{where}: {e}") from None
+                    sec, _, k = p.lr_key.partition(".")
+                    base = getattr(getattr(cfg, sec, None), k, None)
+                    _need(isinstance(base, float), "[protocol] lr_key", f"'{p.lr_key}' is not a float config key")
+                    bases[key] = base
+                for mult in p.mults(label):
+                    cid = "_".join([label, *(f"{k.rsplit('.', 1)[-1]}{_label(v)}" for k, v in point),
+                                    f"lr{mult:g}", f"s{seed}"])
+                    cell = Cell(cid, label, point, mult, seed, preset,
+                                (*sets, f"{p.lr_key}={bases[key] * mult!r}", f"train.seed={seed}",
+                                 f"train.data_seed={p.data_seed}"))
+                    try:
+                        cell.config()
+                    except ConfigError as e:
+                        raise ConfigError(f"{where}, lr x{mult:g}: {e}") from None
+                    cells.append(cell)
+    ids = [c.id for c in cells]
+    dup = {i for i in ids if ids.count(i) > 1}
+    _need(not dup, "study", f"cells {sorted(dup)} share an id; make grid values or variant labels distinct")
+    return cells
+
+
+def load_study(path: str | Path) -> Study:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"study file '{path}' not found; give a path such as studies/demo.toml")
+    try:
+        raw = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: invalid TOML ({e})") from None
+    return parse_study(raw, p.stem, p)

@@ -1,0 +1,102 @@
+"""The report renders from result files alone; the data behind its figures and tables holds the
+expected series and verdicts (checked on the data, not on pixels)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+
+import pytest
+
+from qklab.config import ConfigError
+from qklab.report import write_report
+from qklab.report.figures import uniform_first_token
+from qklab.study.result import write_json_atomic
+from tests.study.synthetic import result
+
+VARIANTS = {"none": {}, "qknorm": {}, "qkmap": {}, "quack": {}, "mla-none": {}, "mla-quack": {}}
+
+
+def _write(tmp_path):
+    res = tmp_path / "results"
+    write_json_atomic(res / "study.json", {"name": "s", "config": "tiny", "seeds": [0, 1, 2],
+                                           "variants": VARIANTS,
+                                           "protocol": {"reference": {"mha": "none", "mla": "mla-none"},
+                                                        "lr_mults": [1.0, 2.0], "data_seed": 0}})
+    noise = [0.0, 0.02, -0.01]
+    for s in range(3):
+        n = noise[s]
+        cells = [result("none", 1.0, s, 5.0 + n, 5.05 + n, max_logit=40.0, first_token=0.20),
+                 result("none", 2.0, s, 5.2 + n, 5.25 + n, diverged=s == 2),
+                 result("qknorm", 1.0, s, 5.02 + n, 5.07 + n, method="qknorm"),
+                 result("qknorm", 2.0, s, 5.1 + n, 5.1 + n, method="qknorm"),
+                 result("qkmap", 1.0, s, 4.9 + n, 4.93 + n, method="qkmap", first_token=0.10, curve_shift=-0.5),
+                 result("qkmap", 2.0, s, 4.95 + n, 4.9 + n, method="qkmap"),
+                 result("quack", 1.0, s, 5.0 + n, 5.06 + n, controller="quack", max_logit=12.0),
+                 result("quack", 2.0, s, 4.98 + n, 5.0 + n, controller="quack", max_logit=15.0),
+                 result("mla-none", 1.0, s, 5.3 + n, 5.3 + n, attention="mla"),
+                 result("mla-quack", 1.0, s, 5.2 + n, 5.21 + n, attention="mla", controller="quack")]
+        for c in cells:
+            write_json_atomic(res / c["cell"] / "result.json", c)
+    return res
+
+
+def test_report_data_and_claims(tmp_path):
+    res = _write(tmp_path)
+    out = write_report([res], out=tmp_path / "rep")
+    data = json.loads((out / "report.json").read_text())
+    fig = data["figures"]
+    # val curves: mean and band over the three seeds at the chosen rate (x1 for qkmap)
+    qkmap = fig["val_curves"]["mha"]["qkmap"]
+    assert qkmap["step"] == [0, 50, 100] and qkmap["n"] == 3
+    assert qkmap["mean"][1] == pytest.approx(5.5) and qkmap["mean"][2] == pytest.approx(4.9 + 0.01 / 3)
+    assert qkmap["lo"][2] == pytest.approx(4.89) and qkmap["hi"][2] == pytest.approx(4.92)
+    assert set(fig["val_curves"]) == {"mha", "mla"} and set(fig["val_curves"]["mla"]) == {"mla-none", "mla-quack"}
+    # learning-rate sensitivity: both rates, the diverged seed counted and left out of the mean
+    sens = fig["lr_sensitivity"]["mha"]["none"]
+    assert sens["lr"] == pytest.approx([1e-3, 2e-3]) and sens["diverged"] == [0, 1]
+    assert sens["mean"][1] == pytest.approx(5.21) and sens["chosen_lr"] == pytest.approx(1e-3)
+    assert fig["first_token"]["mha"]["qkmap"]["mean"] == pytest.approx(0.10)
+    assert fig["first_token"]["mha"]["none"]["uniform"] == pytest.approx(uniform_first_token(64))
+    assert fig["max_logit"]["mha"]["quack"]["mean"][-1] == pytest.approx(15.0)  # quack chose x2
+    # claims: planted effects give the expected verdicts
+    claims = {r[1]: (r[4], r[5]) for r in data["tables"]["claims"]["rows"]}
+    assert claims["lower validation loss than Standard attention"][0] == "**agree**"  # -0.12, tight
+    assert claims["less attention on the first token than Standard attention"][0] == "**agree**"
+    assert claims["outperforms no intervention in the MLA setting"][0] == "**agree**"
+    assert claims["keeps attention logits smaller than no intervention"][0] == "**agree**"
+    v, why = claims["allows a higher base learning rate than no intervention (MHA)"]
+    assert v == "**agree**"  # quack x2 stable, none diverged at x2
+    v, why = claims["stronger attention contrast on relevant evidence at long context"]
+    assert v == "**not measurable**" and "probe" in why
+    v, why = claims["better than the fixed-multiplier ablation"]
+    assert v == "**not measurable**" and "qk_lr_multiplier" in why
+    # results table: the paired difference against the reference
+    rows = {r[0]: r for r in data["tables"]["results"]["rows"]}
+    assert rows["qkmap"][9] == "-0.120 vs none" and rows["mla-quack"][9].startswith("-0.09")
+    # html: self-contained, every figure embedded as a decodable PNG
+    page = (out / "report.html").read_text()
+    imgs = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
+    assert len(imgs) == 5 and all(base64.b64decode(i)[:8] == b"\x89PNG\r\n\x1a\n" for i in imgs)
+    assert "http://" not in page and "https://" not in page
+    assert "## Claims" in (out / "report.md").read_text()
+
+
+def test_report_disagree_and_inconclusive(tmp_path):
+    res = tmp_path / "r"
+    write_json_atomic(res / "study.json", {"name": "s", "variants": {"none": {}, "qkmap": {}},
+                                           "protocol": {"reference": "none"}})
+    for s, n in enumerate([0.0, 0.01, -0.01]):
+        for c in (result("none", 1.0, s, 5.0 + n, 5.0 + n), result("qkmap", 1.0, s, 5.2 + n, 5.2 + n, method="qkmap",
+                                                                   first_token=0.1 + n)):
+            write_json_atomic(res / c["cell"] / "result.json", c)
+    data = json.loads((write_report([res]) / "report.json").read_text())
+    claims = {r[1]: r[4] for r in data["tables"]["claims"]["rows"]}
+    assert claims["lower validation loss than Standard attention"] == "**disagree**"
+    assert claims["less attention on the first token than Standard attention"] == "**inconclusive**"
+
+
+def test_no_results_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="no result.json"):
+        write_report([tmp_path])

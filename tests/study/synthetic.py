@@ -1,0 +1,28 @@
+"""Result dicts shaped like ``result.json``, with known values, for protocol and report tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def result(variant: str, mult: float, seed: int, val: float, report: float, *, attention: str = "mha",
+           method: str = "none", controller: str = "none", diverged: bool = False, failed: bool = False,
+           max_logit: float = 10.0, first_token: float = 0.1, study: str = "s", curve_shift: float = 0.0,
+           lr: float = 1e-3) -> dict[str, Any]:
+    head = {"schema": 1, "study": study, "cell": f"{variant}_lr{mult:g}_s{seed}", "variant": variant,
+            "point": {}, "lr_mult": mult, "seed": seed, "log": f"logs/{variant}.log"}
+    if failed:
+        return {**head, "status": "failed", "diverged": False, "failure": "KeyError: planted", "cell_hash": None}
+    steps = [0, 50, 100]
+    return {**head, "status": "diverged" if diverged else "ok", "diverged": diverged,
+            "divergence": "planted" if diverged else None, "failure": None, "git_sha": "abc",
+            "attention": attention, "method": method, "controller": controller, "lr": lr * mult,
+            "config": {"model": {"attention": attention}, "train": {"seq_len": 64}}, "unigram_entropy": 6.0,
+            "final": {"step": 100, "val_loss": val, "report_loss": report, "train_loss": val - 0.1,
+                      "max_logit": max_logit, "first_token": first_token, "logit_change": 0.01},
+            "curves": {"val": {"step": steps, "val_loss": [8.0 + curve_shift, 6.0 + curve_shift, val]},
+                       "train": {"step": steps, "loss": [8.0, 6.5, val - 0.1]},
+                       "max_logit": {"step": steps, "max_logit": [1.0, 5.0, max_logit]},
+                       "logit_change": {"step": [50, 100], "logit_change_mean": [0.1, 0.01]},
+                       "first_token": {"step": steps, "first_token_mean": [0.1, 0.1, first_token]}},
+            "heads": {}, "tokens_per_s": 1000.0 + seed, "probe": None}

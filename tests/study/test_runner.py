@@ -1,0 +1,113 @@
+"""Studies of tiny cells: ok, diverged, failed and data-overriding cells are recorded correctly; a re-run
+skips finished cells, also from the result files alone; the sweep shorthand gives the same cells."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from qklab.config import ConfigError
+from qklab.data import prepare_data
+from qklab.study.result import read_result
+from qklab.study.runner import run_study
+from qklab.study.spec import parse_study
+from qklab.sweep import sweep_study
+
+COMMON = {"train.steps": 40, "train.lr": 1e-2, "train.eval_every": 20, "train.ckpt_every": 20,
+          "train.diag_every": 20, "data.max_files": 20}
+
+
+def _study(tmp_path, variants, seeds=(0,), **protocol):
+    raw = {"study": {"config": "tiny", "seeds": list(seeds),
+                     "set": {**COMMON, "data.cache_dir": str(tmp_path / "cache")}},
+           "variants": variants, "protocol": {"reference": next(iter(variants)), **protocol}}
+    return parse_study(raw, "t")
+
+
+def test_cells_recorded_and_rerun_skips(tmp_path):
+    study = _study(tmp_path, {
+        "std": {"qk.method": "none"},
+        "boom": {"train.lr": 40.0},  # diverges: a result, not a failure
+        "bad": {"model.vocab_size": 10},  # passes validation, raises in the worker
+        "more": {"data.max_files": 25},  # its own prepared data
+    })
+    out, res_dir = tmp_path / "runs", tmp_path / "results"
+    o = run_study(study, out, res_dir, workers=2, log=lambda s: None)
+    r = {k.split("_")[0]: v for k, v in o.results.items()}
+    assert r["std"]["status"] == "ok" and not r["std"]["diverged"]
+    assert r["std"]["final"]["val_loss"] < r["std"]["unigram_entropy"]
+    assert r["boom"]["status"] == "diverged" and r["boom"]["diverged"] and r["boom"]["divergence"]
+    assert r["bad"]["status"] == "failed" and "vocab_size" in r["bad"]["failure"]
+    log = (out / "logs" / "bad_lr1_s0.log").read_text()
+    assert r["bad"]["log"].endswith("bad_lr1_s0.log") and "Traceback" in log
+    # the data override: the cell's corpus is its own config's, not the first cell's
+    more_cfg = study.cells[3].config()
+    assert r["more"]["corpus"]["sha256"] == prepare_data(more_cfg.data, log=lambda s: None).fingerprint["sha256"]
+    assert r["more"]["corpus"]["files"] != r["std"]["corpus"]["files"]
+    # results are data: the full config, the SHA, curves ending at the last step, per-head summaries
+    std = read_result(res_dir / "std_lr1_s0" / "result.json")
+    assert std["config"]["train"]["data_seed"] == 0 and std["git_sha"]
+    assert std["curves"]["val"]["step"][-1] == 40 and std["final"]["step"] == 40
+    assert len(std["heads"]["max_logit"]) == 2 and len(std["heads"]["max_logit"][0]) == 4  # (L, H)
+    metrics = [json.loads(x) for x in (out / "cells" / "std_lr1_s0" / "metrics.jsonl").read_text().splitlines()]
+    assert std["final"]["report_loss"] == pytest.approx(metrics[-1]["report_loss"])
+    # re-run: only the failed cell runs again
+    o2 = run_study(study, out, res_dir, workers=2, log=lambda s: None)
+    assert o2.ran == ["bad_lr1_s0"] and len(o2.skipped) == 3
+    # from the committed result files alone (no run folders): nothing done is retrained
+    shutil.rmtree(out)
+    o3 = run_study(study, tmp_path / "elsewhere", res_dir, workers=2, log=lambda s: None)
+    assert o3.ran == ["bad_lr1_s0"] and sorted(o3.skipped) == sorted(o2.skipped)
+
+
+def test_changed_config_reruns_and_any_exception_is_recorded(tmp_path, monkeypatch):
+    from qklab.train import trainer as trainer_mod
+
+    study = _study(tmp_path, {"a": {"qk.method": "none"}, "b": {"qk.method": "qknorm"}})
+    out, res_dir = tmp_path / "runs", tmp_path / "res"
+    real_run = trainer_mod.Trainer.run
+
+    def run(self):
+        if self.cfg.qk.method == "qknorm":
+            raise ZeroDivisionError("planted")
+        return real_run(self)
+
+    monkeypatch.setattr(trainer_mod.Trainer, "run", run)
+    o = run_study(study, out, res_dir, workers=0, log=lambda s: None)  # in-process
+    assert o.results["b_lr1_s0"]["failure"] == "ZeroDivisionError: planted"
+    assert o.results["a_lr1_s0"]["status"] == "ok"
+    changed = _study(tmp_path, {"a": {"qk.method": "none", "train.steps": 30}})
+    o2 = run_study(changed, out, res_dir, workers=0, log=lambda s: None)
+    assert o2.ran == ["a_lr1_s0"] and o2.results["a_lr1_s0"]["final"]["step"] == 30
+
+
+def test_same_tokens_in_every_cell(tmp_path):
+    study = _study(tmp_path, {"a": {}, "b": {"qk.method": "softcap"}}, seeds=(0, 1))
+    sets = {c.id: c.config().train for c in study.cells}
+    assert {t.data_seed for t in sets.values()} == {0} and {t.seed for t in sets.values()} == {0, 1}
+
+
+def test_study_file_errors_name_the_problem(tmp_path):
+    with pytest.raises(ConfigError, match="variant 'x'.*qk.method='nope' is unknown"):
+        _study(tmp_path, {"x": {"qk.method": "nope"}})
+    with pytest.raises(ConfigError, match=r"\[protocol\] reference"):
+        parse_study({"variants": {"a": {}}, "protocol": {"reference": "zzz"}}, "t")
+    with pytest.raises(ConfigError, match="unknown section"):
+        parse_study({"variant": {}}, "t")
+    with pytest.raises(ConfigError, match="lr_mults"):
+        parse_study({"variants": {"a": {}}, "protocol": {"lr_mults": [0]}}, "t")
+
+
+def test_sweep_shorthand_is_a_study(tmp_path):
+    s = sweep_study("tiny", ["std:qk.method=none", "cap:qk.method=softcap,qk.softcap.cap=5"], "0,1",
+                    tmp_path / "sw", [f"data.cache_dir='{tmp_path}/c'"], lr_mults="0.5,1")
+    assert [c.id for c in s.cells][:4] == ["std_lr0.5_s0", "std_lr1_s0", "cap_lr0.5_s0", "cap_lr1_s0"]
+    cap = s.cells[3].config()
+    assert cap.qk.method == "softcap" and cap.qk.opts("softcap").cap == 5.0 and cap.train.lr == 3e-3
+    assert s.cells[2].config().train.lr == pytest.approx(1.5e-3)
+    with pytest.raises(ConfigError, match="label:key=value"):
+        sweep_study("tiny", ["no-colon"], "0", tmp_path, [])
+    with pytest.raises(ConfigError, match="--seeds 'a,b'"):
+        sweep_study("tiny", ["a:qk.method=none"], "a,b", tmp_path, [])
