@@ -183,8 +183,7 @@ class RunConfig:
                 except ValueError as e:
                     raise ConfigError(str(e)) from None
         try:  # the method checks its options against the attention shape (e.g. compute-matched widths)
-            method = METHODS[q.method](AttnShape(m.d_model, m.n_heads, m.kv_heads, m.head_dim, 0, m.n_layers),
-                                       q.opts(q.method))
+            method = METHODS[q.method](AttnShape.of(m), q.opts(q.method))
             CONTROLLERS[q.controller].check_method(method, q.opts(q.controller))  # e.g. QK-clip on QK-Norm
         except ValueError as e:
             raise ConfigError(str(e)) from None

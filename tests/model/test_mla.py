@@ -327,3 +327,83 @@ def test_key_scalars_are_allocated_with_the_cache(method):
         assert c.values_per_token() == KV_RANK + ROPE + H  # before any token is written
     else:
         assert c.kscale is None and c.values_per_token() == KV_RANK + ROPE
+
+
+# --- coarser QK-Norm key granularities: per group of heads, per nope/rope part -----------------------
+GRANULARITIES = [{"k_group": 2}, {"k_parts": True}, {"k_group": 4, "k_parts": True}]
+
+
+def _qknorm_gpt(**opts) -> GPT:
+    from qklab.methods.qknorm import QKNormOptions
+
+    model = GPT(_cfg(), QKConfig(method="qknorm", options={"qknorm": QKNormOptions(**opts)})).eval()
+    _randomise_gains(model)
+    with torch.no_grad():
+        for b in model.blocks:
+            for lin in (b.attn.wuq, b.attn.wqr, b.attn.wuk, b.attn.wkr):
+                lin.weight.mul_(15.0)
+    return model
+
+
+@pytest.mark.parametrize("opts", GRANULARITIES, ids=str)
+def test_qknorm_granularity_normalises_keys_as_documented(opts):
+    model = _qknorm_gpt(**opts)
+    a = model.blocks[0].attn
+    with torch.no_grad():
+        a.qk.k_norm.weight.fill_(1.0)
+        a.capture = {}
+        a(torch.randn(2, 6, 64) * 50, model.rope)
+    k = a.capture["k"]  # (B, H, T, F) post-RoPE (a rotation of the rope part: its RMS is unchanged)
+    g = opts.get("k_group", 1)
+    parts = [k[..., :NOPE], k[..., NOPE:]] if opts.get("k_parts") else [k]
+    for part in parts:  # mean square over each group's heads and the part's features is 1
+        ms = part.pow(2).view(2, H // g, g, 6, -1).mean(dim=(2, 4))
+        torch.testing.assert_close(ms, torch.ones_like(ms), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("opts", GRANULARITIES, ids=str)
+@pytest.mark.parametrize("kind", ["auto", "absorbed", "materialised"])
+def test_qknorm_granularity_latent_decode_equals_full_forward(opts, kind):
+    model = _qknorm_gpt(**opts)
+    x = torch.randint(0, 97, (2, 26))
+    with torch.no_grad():
+        full, _ = model(x)
+        _set(model, latent_path=kind)
+        caches = model.make_caches(2, 32)
+        got = _decode(model, x, caches)
+    torch.testing.assert_close(got, full, atol=1e-5, rtol=1e-5)
+    # the cache keeps one scalar per group of heads; the rope part's scalar lives in the rope key
+    assert caches[0].values_per_token() == KV_RANK + ROPE + H // opts.get("k_group", 1)
+
+
+@pytest.mark.parametrize("opts", GRANULARITIES, ids=str)
+def test_qknorm_granularity_latent_map_is_map_qk_factorised(opts):
+    from qklab.methods.qknorm import QKNorm, QKNormOptions
+
+    from qklab.model.mla import PartialRope
+
+    m = QKNorm(AttnShape(64, H, H, NOPE + ROPE, 0, 2, ROPE), QKNormOptions(**opts))
+    _randomise_gains(m)
+    rope = PartialRope(Rope(64, 10000.0), ROPE)  # MLA rotates the rope part only
+    q, k = torch.randn(2, H, 7, NOPE + ROPE) * 3, torch.randn(2, H, 7, NOPE + ROPE) * 3
+    k[..., NOPE:] = k[:, :1, :, NOPE:]  # MLA: one rope key shared by every head
+    with torch.no_grad():
+        q_mapped, k_mapped = m.map_qk(q, k, rope, 5)
+        q_lat, gain, s = m.latent_map(q, k, rope, 5)
+    torch.testing.assert_close(q_lat, q_mapped)
+    torch.testing.assert_close(rope(k * gain, 5) * s, k_mapped)
+    if opts.get("k_parts"):  # the rope part's scalar is the same for every head (one shared rope key)
+        rope_s = s[..., NOPE:]
+        assert torch.equal(rope_s, rope_s[:, :1].expand_as(rope_s))
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["qk.qknorm.k_parts=true"], "needs keys with a nope and a rope part"),
+    (["qk.qknorm.k_group=3"], "must divide the 4 key heads"),
+])
+def test_qknorm_granularity_refusals(sets, needle):
+    with pytest.raises(ConfigError, match=needle) as e:
+        load_config("tiny", ["qk.method=qknorm", *sets])
+    assert "\n" not in str(e.value)
+    assert load_config("tiny", ["qk.method=qknorm", "model.attention=mla", "qk.qknorm.k_parts=true",
+                                "qk.qknorm.k_group=2"]).qk.opts("qknorm").k_parts

@@ -37,6 +37,15 @@ class AttnShape:
     head_dim: int
     layer_idx: int
     n_layers: int
+    rope_dim: int = 0  # MLA: the trailing per-head q/k features that RoPE rotates (the rest: nope); 0: MHA
+
+    @classmethod
+    def of(cls, m: Any, layer_idx: int = 0) -> AttnShape:
+        """The shape a ``ModelConfig`` gives its attention layers (MLA: per-head q/k of nope + rope)."""
+        if m.attention == "mla":
+            d = m.mla_dims
+            return cls(m.d_model, m.n_heads, m.n_heads, d.nope + d.rope, layer_idx, m.n_layers, d.rope)
+        return cls(m.d_model, m.n_heads, m.kv_heads, m.head_dim, layer_idx, m.n_layers)
 
 
 @dataclass
@@ -52,6 +61,8 @@ class QKMethod(nn.Module):
     modifies_logits = False  # True: logits(...) changes scores, so only the eager path may run it
     latent_cache_ok = True  # False: needs per-head keys materialised (cannot keep an MLA latent cache)
     latent_key_scale = False  # True: latent_map returns a key scalar s per token and head (cached; needs k)
+    latent_key_group = 1  # heads sharing one cached key scalar (s is equal within each group of heads)
+    latent_key_parts = False  # True: s has two values per key, one on the nope and one on the rope part
 
     def __init__(self, shape: AttnShape, opts: Any) -> None:
         super().__init__()
@@ -102,8 +113,9 @@ class QKMethod(nn.Module):
         head, cached beside the latent. None stands for 1. A method whose key map has any other form must
         set ``latent_cache_ok = False``; ``tests/model/test_mla.py`` checks the identity for every
         registered method. A method without key scalars (s None) leaves ``latent_key_scale`` False and
-        is called with k None (MLA then never builds per-head keys). The default (keys only rotated):
-        RoPE(q), 1, 1."""
+        is called with k None (MLA then never builds per-head keys). With ``latent_key_parts``, s is
+        (B, Hkv, T, F), constant on the nope and on the rope features (the rope one equal for all heads,
+        so MLA folds it into the cached rope key). The default (keys only rotated): RoPE(q), 1, 1."""
         return rope(q, pos), None, None
 
     def clip_refusal(self, tau_clip: float) -> str:

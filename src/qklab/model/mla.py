@@ -109,7 +109,7 @@ class MLAttention(nn.Module, MaxLogitTracker):
         self.nope_dim, self.rope_dim, self.v_dim = d.nope, d.rope, d.v
         self.n_kv_heads = self.n_heads  # materialised keys are per head
         self.head_dim = d.nope + d.rope  # per-head q/k width (AttnShape.head_dim); values have v_dim
-        shape = AttnShape(cfg.d_model, cfg.n_heads, cfg.n_heads, self.head_dim, layer_idx, cfg.n_layers)
+        shape = AttnShape(cfg.d_model, cfg.n_heads, cfg.n_heads, self.head_dim, layer_idx, cfg.n_layers, d.rope)
         self.qk: QKMethod = METHODS[qk_cfg.method](shape, qk_cfg.opts(qk_cfg.method))
         if self.qk.proj_dim() != self.head_dim or self.qk.qk_in_dim() != cfg.d_model:
             raise ConfigError(f"qk.method='{qk_cfg.method}' with these options changes the q/k projection widths, "
@@ -187,7 +187,8 @@ class MLAttention(nn.Module, MaxLogitTracker):
         if latent:
             self.check_latent()
             kv = torch.zeros(batch, max_len, self.kv_rank + self.rope_dim, device=device, dtype=dtype)
-            ks = torch.zeros(batch, self.n_heads, max_len, device=device, dtype=dtype) if self.qk.latent_key_scale else None
+            n_ks = self.n_heads // self.qk.latent_key_group  # key scalars per token (QK-Norm: one per head or group)
+            ks = torch.zeros(batch, n_ks, max_len, device=device, dtype=dtype) if self.qk.latent_key_scale else None
             return LatentCache(kv, ks)
         k = torch.zeros(batch, self.n_heads, max_len, self.qk.feature_dim(), device=device, dtype=dtype)
         v = torch.zeros(batch, self.n_heads, max_len, self.v_dim, device=device, dtype=dtype)
@@ -198,11 +199,14 @@ class MLAttention(nn.Module, MaxLogitTracker):
         self.check_latent()
         n = self.nope_dim
         k = self.keys(c, kr) if self.qk.latent_key_scale else None  # (B, H, T, F) pre-RoPE, for key scalars
-        q, gain, ks = self.qk.latent_map(q, k, prope, pos)  # (B, H, T, F) rotated; (F,) | None; (B, H, T, 1) | None
+        q, gain, ks = self.qk.latent_map(q, k, prope, pos)  # (B, H, T, F) rotated; (F,) | None; (B, H, T, 1|F) | None
         if gain is not None:  # the rope part of the gain goes on the shared rope key before RoPE
             kr = kr * gain[n:]
+        if ks is not None and self.qk.latent_key_parts:  # the rope part's scalar, equal for all heads, goes there too
+            kr = kr * ks[:, 0, :, n : n + 1]
         kr = rope(kr.unsqueeze(1), pos).squeeze(1)  # (B, T, rope)
-        kv, kscale = cache.append(torch.cat([c, kr], dim=-1), ks[..., 0] if ks is not None else None)
+        ks_n = ks[:, :: self.qk.latent_key_group, :, 0] if ks is not None else None  # (B, H / group, T)
+        kv, kscale = cache.append(torch.cat([c, kr], dim=-1), ks_n)
         scale = self.qk.scale(q.shape[-1]) * self.softmax_mscale
         T = q.shape[2]
         if self.latent_path == "absorbed" or (self.latent_path == "auto" and T <= ABSORB_MAX_T):
@@ -220,10 +224,19 @@ class MLAttention(nn.Module, MaxLogitTracker):
         kn = self.wuk(c).view(B, L, self.n_heads, self.nope_dim).transpose(1, 2)  # (B, H, L, nope)
         if gain is not None:
             kn = kn * gain[: self.nope_dim]
+        ks = self._key_scale(kscale)  # (B, H, L, 1) | None
+        if ks is not None and self.qk.latent_key_parts:  # the rope part's scalar is already in kr
+            kn = kn * ks
         k = torch.cat([kn, kr.unsqueeze(1).expand(B, self.n_heads, L, self.rope_dim)], dim=-1)
-        if kscale is not None:
-            k = k * kscale.unsqueeze(-1)
+        if ks is not None and not self.qk.latent_key_parts:
+            k = k * ks
         return k, self.values(c)
+
+    def _key_scale(self, kscale: torch.Tensor | None) -> torch.Tensor | None:
+        """Cached key scalars (B, H / group, L) -> one per head (B, H, L, 1)."""
+        if kscale is None:
+            return None
+        return kscale.repeat_interleave(self.qk.latent_key_group, dim=1).unsqueeze(-1)
 
     def _absorbed(self, q, kv, kscale, gain, scale: float) -> torch.Tensor:
         """q (B, H, T, F) mapped and rotated; kv (B, L, kv_rank + rope); kscale (B, H, L) | None.
@@ -234,10 +247,17 @@ class MLAttention(nn.Module, MaxLogitTracker):
         if gain is not None:  # the static key gain, folded into the query side
             qn = qn * gain[: self.nope_dim]
         q_lat = torch.matmul(qn, self.wuk.weight.view(H, self.nope_dim, R))  # (B, H, T, kv_rank): W_uk^T q_nope
-        ql = torch.cat([q_lat, qr], dim=-1).reshape(B, H * T, R + self.rope_dim)
-        s = torch.matmul(ql, kv.transpose(1, 2)).view(B, H, T, L) * scale  # (B, H, T, L)
-        if kscale is not None:
-            s = s * kscale.unsqueeze(2)
+        ks = self._key_scale(kscale)  # (B, H, L, 1) | None
+        if ks is not None and self.qk.latent_key_parts:  # the scalar acts on the nope logits only
+            c, kr = kv.split([R, self.rope_dim], dim=-1)
+            s_n = torch.matmul(q_lat.reshape(B, H * T, R), c.transpose(1, 2)).view(B, H, T, L)
+            s_r = torch.matmul(qr.reshape(B, H * T, self.rope_dim), kr.transpose(1, 2)).view(B, H, T, L)
+            s = (s_n * ks.transpose(2, 3) + s_r) * scale  # (B, H, T, L)
+        else:
+            ql = torch.cat([q_lat, qr], dim=-1).reshape(B, H * T, R + self.rope_dim)
+            s = torch.matmul(ql, kv.transpose(1, 2)).view(B, H, T, L) * scale  # (B, H, T, L)
+            if ks is not None:
+                s = s * ks.transpose(2, 3)
         p = self._probs(s)  # (B, H, T, L)
         o = torch.matmul(p.reshape(B, H * T, L), kv[..., :R]).view(B, H, T, R)  # sum_j p_j c_j
         return torch.matmul(o, self.wuv.weight.view(H, self.v_dim, R).transpose(1, 2))  # (B, H, T, Dv): W_uv o
