@@ -146,6 +146,7 @@ def test_qkclip_on_gpt2_transposed_conv1d():
     model = transformers.GPT2LMHeadModel(cfg)
     with torch.no_grad():
         model.transformer.h[0].attn.c_attn.weight[:, :32].mul_(torch.linspace(5, 40, 32))
+        model.transformer.h[0].attn.c_attn.bias.normal_(0.0, 1.0)  # biases follow their head's scaling
     spec = LayerSpec(q="transformer.h.0.attn.c_attn.weight[0:32]", k="transformer.h.0.attn.c_attn.weight[32:64]",
                      n_heads=4, transposed=True)
     captured = {}

@@ -48,11 +48,32 @@ class Attached:
         if self.track:  # fold this step's per-head max logits into the logging window, before QK-clip pops them
             for i, layer in enumerate(self.qk_layers):
                 self._window[i] = torch.maximum(self._window[i], layer.max_logit.detach().float().cpu())
+        biased = self.controller.name == "qkclip" and any(layer.biases for layer in self.qk_layers)
+        before = self._head_norms() if biased else None
         self.controller.after_step(self.step)
+        if before is not None:
+            self._scale_biases(before)
         if self.track and self.controller.name != "qkclip":
             for layer in self.qk_layers:
                 layer.pop_max_logit()
         self.step += 1
+
+    def _head_norms(self) -> list[dict[str, torch.Tensor]]:
+        return [self._head_norms_of(layer) for layer in self.qk_layers]
+
+    @torch.no_grad()
+    def _scale_biases(self, before: list[dict[str, torch.Tensor]]) -> None:
+        """QK-clip scales each head's W_Q/W_K block by a scalar; the head's bias gets the same scalar, so
+        that its logits (W x + b) . (W' x + b') shrink exactly as without biases."""
+        for layer, old in zip(self.qk_layers, before, strict=True):
+            now = self._head_norms_of(layer)
+            for k, b in layer.biases.items():
+                s = torch.where(old[k] > 0, now[k] / old[k].clamp_min(1e-30), torch.ones_like(now[k]))
+                b.mul_(s.to(b.device, b.dtype).view(-1, 1))
+
+    @staticmethod
+    def _head_norms_of(layer) -> dict[str, torch.Tensor]:
+        return {k: getattr(layer, k).weight.detach().float().flatten(1).norm(dim=1) for k in layer.biases}
 
     def max_logits(self) -> list[list[float]]:
         """Per layer, per head: the largest pre-softmax logit of the training forwards since the last call."""

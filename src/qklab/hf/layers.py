@@ -40,6 +40,7 @@ class QKLayer(LayerTracker):
         d = next(w for w in weights.values() if w is not None).shape[1]
         self.qk = qk or Standard(AttnShape(0, n_heads, n_kv_heads, d, 0, 1), NoOptions())
         self.hooks: list = []  # forward hooks that feed the tracker (LayerSpec layers)
+        self.biases: dict[str, torch.Tensor] = {}  # "wq"/"wk" -> (n_heads, rows) view of that projection's bias
         for k, w in weights.items():  # wq -> an object with .weight, as qklab's nn.Linear layers
             setattr(self, k, None if w is None else SimpleNamespace(weight=w))
 
@@ -85,6 +86,14 @@ def _head_view(p: torch.Tensor, sl: slice | None, n_heads: int, transposed: bool
     return w.unflatten(0, (n_heads, -1))  # (n_heads, rows, in)
 
 
+def _bias_view(b: torch.Tensor | None, sl: slice | None, n_heads: int) -> torch.Tensor | None:
+    """A (n_heads, rows) view of the selected entries of a bias, or None."""
+    if b is None:
+        return None
+    b = b.detach()
+    return (b[sl] if sl is not None else b).unflatten(0, (n_heads, -1))
+
+
 def _owner(model: nn.Module, name: str) -> nn.Module:
     return model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
 
@@ -103,6 +112,10 @@ def spec_layer(model: nn.Module, spec: LayerSpec, index: int) -> QKLayer:
     wk = _head_view(params[kn], ks, Hkv, spec.transposed)
     qmod, kmod = _owner(model, qn), _owner(model, kn)
     layer = QKLayer(f"layer{index}", qmod, spec.n_heads, Hkv, {"wq": wq, "wk": wk})
+    for key, name, sl, n in (("wq", qn, qs, spec.n_heads), ("wk", kn, ks, Hkv)):
+        bias = params.get(name.removesuffix("weight") + "bias") if name.endswith("weight") else None
+        if bias is not None:
+            layer.biases[key] = _bias_view(bias, sl, n)
     if spec.track:
         _hook_projections(layer, qmod, kmod, qs, ks, wq.shape[1], spec.causal)
     return layer
@@ -136,9 +149,13 @@ def _llama_layer(mod: nn.Module, cfg) -> QKLayer:
     qk = getattr(mod, "qk_method", None)
     if qk is None and getattr(mod, "q_norm", None) is not None:  # the family's own QK-Norm (Qwen3)
         qk = QKNorm(AttnShape(cfg.hidden_size, H, Hkv, mod.head_dim, mod.layer_idx, 1), QKNormOptions())
-    return QKLayer(f"layer{mod.layer_idx}", mod, H, Hkv,
-                   {"wq": _head_view(mod.q_proj.weight, None, H, False),
-                    "wk": _head_view(mod.k_proj.weight, None, Hkv, False)}, qk)
+    layer = QKLayer(f"layer{mod.layer_idx}", mod, H, Hkv,
+                    {"wq": _head_view(mod.q_proj.weight, None, H, False),
+                     "wk": _head_view(mod.k_proj.weight, None, Hkv, False)}, qk)
+    for key, lin, n in (("wq", mod.q_proj, H), ("wk", mod.k_proj, Hkv)):
+        if lin.bias is not None:  # Qwen2
+            layer.biases[key] = _bias_view(lin.bias, None, n)
+    return layer
 
 
 def _deepseek_layer(mod: nn.Module, cfg) -> QKLayer:
