@@ -21,10 +21,14 @@ kv_rank + rope cached values shared by all heads; per-head attention does nope +
 values. So absorbed trades compute (1.8x here, with 6 heads) for memory traffic (1/6): it wins where
 decoding is memory-bound (large batch or context on a GPU); on a contended CPU core it ties (docs/mla.md).
 
-The paths are interleaved round by round (order rotated), so machine noise hits them alike; the figure is
-the median over rounds. ``model.max_seq_len`` is raised to fit the longest context.
+The paths are interleaved round by round (order rotated), so machine noise hits them alike. Rates are
+the median over rounds; the speed-ups are paired: the median over rounds of the per-round ratio, with
+its quartiles (``_timing.paired_ratio``), so that drift between rounds cancels. ``--chunks`` times steps
+of several tokens too (2-8: the chunks speculative decoding verifies; "auto" decodes them absorbed).
+``model.max_seq_len`` is raised to fit the longest context.
 
-    python benchmarks/mla_decode.py [--contexts 512,2048,8192 --batches 1,8 --tokens 16 --rounds 5]
+    python benchmarks/mla_decode.py [--contexts 512,2048,8192 --batches 1,8 --chunks 1,4 --tokens 16 \
+        --rounds 5 --device cpu|cuda --dtype fp32|bf16]
 
 Prints one JSON object.
 """
@@ -37,6 +41,7 @@ import statistics
 import time
 
 import torch
+from _timing import paired_ratio, sync
 
 from qklab.config import load_config
 from qklab.model import GPT, KVCache, LatentCache
@@ -55,10 +60,11 @@ def cache_bytes_per_token(caches: list, max_len: int) -> int:
     return total // max_len
 
 
-def build(preset: str, max_len: int, extra: list[str] | None = None) -> GPT:
+def build(preset: str, max_len: int, extra: list[str] | None = None, device: str = "cpu",
+          dtype: torch.dtype = torch.float32) -> GPT:
     cfg = load_config(preset, [f"model.max_seq_len={max_len}", "model.vocab_size=4096", *(extra or [])])
     torch.manual_seed(0)
-    return GPT(cfg.model, cfg.qk).eval()
+    return GPT(cfg.model, cfg.qk).eval().to(device=device, dtype=dtype)
 
 
 def cache_table(max_len: int) -> dict:
@@ -102,79 +108,93 @@ def widen(caches: list, batch: int) -> list:
 
 
 @torch.no_grad()
-def decode_rate(model: GPT, caches: list, ctx: int, tokens: int, path: str) -> float:
-    """Tokens/s (all sequences) of ``tokens`` single-token steps starting at context length ``ctx``."""
+def decode_rate(model: GPT, caches: list, ctx: int, tokens: int, path: str, chunk: int = 1) -> float:
+    """Tokens/s (all sequences) of ``tokens`` decode steps of ``chunk`` new tokens each, starting at
+    context length ``ctx``."""
     _, latent_path, impl = PATHS[path]
     for b in model.blocks:
         b.attn.latent_path, b.attn.impl = latent_path, impl
     set_length(caches, ctx)
     batch = caches[0].kv.shape[0] if isinstance(caches[0], LatentCache) else caches[0].k.shape[0]
-    tok = torch.randint(0, 4096, (batch, 1))
+    device = model.tok_emb.weight.device
+    tok = torch.randint(0, 4096, (batch, chunk), device=device)
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(tokens):
         logits, _ = model(tok, caches=caches)
-        tok = logits[:, -1].argmax(-1, keepdim=True)
-    return batch * tokens / (time.perf_counter() - t0)
+        tok = logits.argmax(-1)  # (batch, chunk): the next chunk, as a verify step would take it
+    sync(device)
+    return batch * chunk * tokens / (time.perf_counter() - t0)
 
 
 @torch.no_grad()
-def decode_table(contexts: list[int], batches: list[int], tokens: int, rounds: int) -> list[dict]:
-    max_len = max(contexts) + tokens + 1
-    model = build("small_mla", max_len)
+def decode_table(contexts: list[int], batches: list[int], chunks: list[int], tokens: int, rounds: int,
+                 device: str, dtype: torch.dtype) -> list[dict]:
+    room = tokens * max(chunks) + 1
+    model = build("small_mla", max(contexts) + room, device=device, dtype=dtype)
     rows = []
     for ctx in contexts:
-        prompt = torch.randint(0, 4096, (1, ctx))
-        latent1 = model.make_caches(1, ctx + tokens + 1, latent=True)
-        per_head1 = model.make_caches(1, ctx + tokens + 1, latent=False)
+        prompt = torch.randint(0, 4096, (1, ctx), device=device)
+        latent1 = model.make_caches(1, ctx + room, latent=True)
+        per_head1 = model.make_caches(1, ctx + room, latent=False)
         model(prompt, caches=latent1)  # prefill (materialised from the latent)
         model(prompt, caches=per_head1)
         assert isinstance(latent1[0], LatentCache) and isinstance(per_head1[0], KVCache)
         for batch in batches:
-            timed = time_paths(model, widen(latent1, batch), widen(per_head1, batch), ctx, tokens, rounds)
-            rows.append({"context": ctx, "batch": batch, **timed})
+            for chunk in chunks:
+                timed = time_paths(model, widen(latent1, batch), widen(per_head1, batch), ctx, tokens, rounds, chunk)
+                rows.append({"context": ctx, "batch": batch, "chunk": chunk, **timed})
     return rows
 
 
 @torch.no_grad()
-def time_paths(model: GPT, latent: list, per_head: list, ctx: int, tokens: int, rounds: int) -> dict:
-    """Median tokens/s of every path, interleaved round by round, and the absorbed path's speed-ups."""
+def time_paths(model: GPT, latent: list, per_head: list, ctx: int, tokens: int, rounds: int, chunk: int = 1) -> dict:
+    """Median tokens/s of every path, interleaved round by round, and the absorbed path's paired
+    speed-ups (median and quartiles of the per-round ratios; per-head: the faster kernel of the round)."""
     paths = {p: latent if kind == "latent" else per_head for p, (kind, _, _) in PATHS.items()}
     rates: dict[str, list[float]] = {p: [] for p in paths}
     for p, c in paths.items():  # warm-up
-        decode_rate(model, c, ctx, 2, p)
+        decode_rate(model, c, ctx, 2, p, chunk)
     for r in range(rounds):
         order = list(paths)[r % len(paths) :] + list(paths)[: r % len(paths)]
         for p in order:
-            rates[p].append(decode_rate(model, paths[p], ctx, tokens, p))
-    med = {p: statistics.median(v) for p, v in rates.items()}
-    best = max(med["per_head_sdpa"], med["per_head_eager"])
-    return {**{f"{p}_tok_s": round(v, 1) for p, v in med.items()},
-            "absorbed_over_per_head": round(med["absorbed"] / best, 2),
-            "absorbed_over_recompute": round(med["absorbed"] / med["recompute"], 2)}
+            rates[p].append(decode_rate(model, paths[p], ctx, tokens, p, chunk))
+    per_head = [max(a, b) for a, b in zip(rates["per_head_sdpa"], rates["per_head_eager"], strict=True)]
+    return {**{f"{p}_tok_s": round(statistics.median(v), 1) for p, v in rates.items()},
+            "absorbed_over_recompute": paired_ratio(rates["absorbed"], rates["recompute"]),
+            "absorbed_over_per_head": paired_ratio(rates["absorbed"], per_head)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="512,2048,8192")
     ap.add_argument("--batches", default="1,8", help="sequences decoded together")
-    ap.add_argument("--tokens", type=int, default=16, help="decode steps per timed chunk")
+    ap.add_argument("--chunks", default="1", help="new tokens per decode step (2-8: speculative verify chunks)")
+    ap.add_argument("--tokens", type=int, default=16, help="decode steps per timed run")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | auto (cuda when present)")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="bf16: for GPUs")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        raise SystemExit(f"qklab: error: --device {args.device}: use cpu, or cuda/auto on a machine with CUDA")
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     contexts = [int(c) for c in args.contexts.split(",")]
     model = build("small_mla", 1024)
     d = model.cfg.mla_dims
     result = {
         "shape": {"d_model": model.cfg.d_model, "n_layers": model.cfg.n_layers, "n_heads": model.cfg.n_heads,
                   "q_rank": d.q_rank, "kv_rank": d.kv_rank, "nope": d.nope, "rope": d.rope, "v": d.v},
-        "dtype": "fp32", "threads": torch.get_num_threads(), "device": "cpu",
+        "dtype": args.dtype, "threads": torch.get_num_threads(), "device": device,
         "cache": cache_table(1024),
-        "decode": decode_table(contexts, [int(b) for b in args.batches.split(",")], args.tokens, args.rounds),
+        "decode": decode_table(contexts, [int(b) for b in args.batches.split(",")],
+                               [int(c) for c in args.chunks.split(",")], args.tokens, args.rounds, device, dtype),
         "baseline": "recompute: the same latent cache expanded to per-head k/v every step (like-for-like); "
-                    "per_head: per-head k/v cache (6x the memory), ratio against the faster of its sdpa "
-                    "and eager kernels",
+                    "per_head: per-head k/v cache (6x the memory), against the faster of its sdpa and eager "
+                    "kernels in each round; ratios are medians of per-round ratios with quartiles",
     }
     print(json.dumps(result, indent=2))
 
