@@ -199,3 +199,71 @@ def test_apply_refuses_bad_input():
         apply(model, "softcap", capp=3)
     with pytest.raises(ValueError, match="head_dim"):
         apply(copy.deepcopy(model), "qkmap", proj_dim=3)
+
+
+# --- DeepSeek (MLA) ---------------------------------------------------------------------------------
+def _deepseek(version="v3", q_lora=20, interleave=True, seed=0):
+    Cfg = transformers.DeepseekV2Config if version == "v2" else transformers.DeepseekV3Config
+    kw = dict(first_k_dense_replace=2) if version == "v3" else dict(first_k_dense_replace=2, n_group=1, topk_group=1)
+    if version == "v3":
+        kw["rope_interleave"] = interleave
+    cfg = Cfg(vocab_size=101, hidden_size=C, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+              num_attention_heads=H, num_key_value_heads=H, q_lora_rank=q_lora, kv_lora_rank=24, qk_nope_head_dim=16,
+              qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=128, n_routed_experts=4,
+              num_experts_per_tok=2, initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize("method, opts", [("qknorm", {}), ("softcap", {"cap": 2.0})])
+@pytest.mark.parametrize("version, q_lora, interleave", [("v3", 20, True), ("v3", None, False), ("v2", 20, True)])
+def test_deepseek_layer_equals_qklab_mla(version, q_lora, interleave, method, opts):
+    from qklab.hf.deepseek import load_deepseek_attention, mla_config
+    from qklab.methods.softcap import SoftCapOptions
+    from qklab.model import MLAttention
+
+    model = apply(_deepseek(version, q_lora, interleave), method, **opts)
+    mod = model.model.layers[1].self_attn
+    with torch.no_grad():
+        for p in mod.qk_method.parameters():  # non-trivial QK-Norm gains
+            p.uniform_(0.5, 1.5)
+    options = {"softcap": SoftCapOptions(**opts)} if method == "softcap" else {}
+    ours = MLAttention(mla_config(model.config, attn_impl="eager"), QKConfig(method=method, options=options), 1)
+    load_deepseek_attention(ours.eval(), mod)  # QK-Norm gains included (rope part permuted)
+    B, T = 2, 20
+    x = torch.randn(B, T, C)
+    pos = torch.arange(T).unsqueeze(0).expand(B, T)
+    pe = model.model.rotary_emb(x, pos)
+    with torch.no_grad():
+        got = mod(x, position_embeddings=pe, attention_mask=_causal(B, T))[0]
+        ref = ours(x, Rope(128, 10000.0))
+        plain = MLAttention(mla_config(model.config), QKConfig(), 1).eval()
+        load_deepseek_attention(plain, mod)
+        assert (plain(x, Rope(128, 10000.0)) - ref).abs().max() > 1e-3  # the method changes this layer
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method, opts", [("none", {}), ("qknorm", {}), ("softcap", {"cap": 2.0})])
+def test_deepseek_generate_and_padding(method, opts):
+    model = apply(_deepseek(), method, **opts)
+    model.generation_config.pad_token_id = 0
+    g = torch.Generator().manual_seed(7)
+    seqs = [torch.randint(3, 101, (n,), generator=g) for n in (9, 5)]
+    ids, mask = _left_pad(seqs)
+    with torch.no_grad():
+        padded = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits
+        alone = model(seqs[1].unsqueeze(0)).logits[0]
+        torch.testing.assert_close(padded[1, 4:], alone, atol=1e-4, rtol=1e-4)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
+        seq, m = ids.clone(), mask.clone()
+        for _ in range(8):
+            logits = model(seq, attention_mask=m, position_ids=(m.cumsum(-1) - 1).clamp_min(0), use_cache=False).logits
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            seq, m = torch.cat([seq, nxt], 1), torch.cat([m, torch.ones_like(nxt)], 1)
+    assert torch.equal(out, seq)
+
+
+def test_deepseek_refuses_qkmap():
+    with pytest.raises(ValueError, match="projection widths"):
+        apply(_deepseek(), "qkmap")

@@ -10,6 +10,10 @@ model switches to the ``"qklab"`` attention function and mask. What each method 
   W_Q/W_K does not carry over), the family's q/k norms are dropped (the map fixes the feature norm).
 * ``softcap``: logits capped before the mask; everything else (family norms included) stays.
 * ``none``: returns the model untouched.
+
+DeepSeek-V2/V3 (MLA) layers get ``QKDeepSeekMixin``: the method maps the materialised per-head q and k as
+in qklab's MLA (qknorm, softcap; qkmap is refused: MLA keeps the projection widths), and the cache holds
+per-head keys and values instead of DeepSeek's compressed latent.
 """
 
 from __future__ import annotations
@@ -19,18 +23,19 @@ import dataclasses
 import torch
 from torch import nn
 
-from qklab.hf.attention import QKAttentionMixin, use_qklab_attention
-from qklab.methods import METHODS, AttnShape, QKMethod
+from qklab.hf.attention import QKAttentionMixin, QKDeepSeekMixin, use_qklab_attention
+from qklab.methods import CONTROLLERS, METHODS, AttnShape, QKMethod
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 _SWAPPED: dict[type, type] = {}
 
 
 def method_options(method: str, options: dict) -> object:
-    """The method's Options dataclass from keyword options, checked."""
-    if method not in METHODS:
+    """The Options dataclass of a method or controller from keyword options, checked."""
+    if method not in {**METHODS, **CONTROLLERS}:
         raise ValueError(f"unknown QK method '{method}'; choose one of {sorted(METHODS)}")
-    cls = METHODS[method].Options
+    cls = {**METHODS, **CONTROLLERS}[method].Options
     known = {f.name for f in dataclasses.fields(cls)}
     bad = sorted(set(options) - known)
     if bad:
@@ -50,12 +55,12 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return sorted(mods, key=lambda m: m.layer_idx)
 
 
-def _swap_class(module: nn.Module) -> None:
+def _swap_class(module: nn.Module, mixin: type = QKAttentionMixin) -> None:
     base = type(module)
-    if issubclass(base, QKAttentionMixin):
+    if issubclass(base, mixin):
         return
     if base not in _SWAPPED:
-        _SWAPPED[base] = type(f"QK{base.__name__}", (QKAttentionMixin, base), {})
+        _SWAPPED[base] = type(f"QK{base.__name__}", (mixin, base), {})
     module.__class__ = _SWAPPED[base]
 
 
@@ -71,16 +76,18 @@ def _rebuild(old: nn.Linear, in_dim: int, out_dim: int, std: float) -> nn.Linear
 
 
 def apply(model: nn.Module, method: str, **options) -> nn.Module:
-    """Convert every attention layer of ``model`` (Llama, Mistral, Qwen2, Qwen3; built from a config or
-    loaded) to ``method`` with the method's ``options`` (e.g. ``cap=30`` for softcap). In place; returns
+    """Convert every attention layer of ``model`` (Llama, Mistral, Qwen2, Qwen3, DeepSeek-V2/V3; built from a
+    config or loaded) to ``method`` with the method's ``options`` (e.g. ``cap=30`` for softcap). In place; returns
     the model. Padding masks, ``generate()`` with its cache and all other layers work as before."""
     opts = method_options(method, options)
     if method == "none":
         return model
     cfg = model.config
     family = getattr(cfg, "model_type", "")
+    if family in DEEPSEEK:
+        return _apply_deepseek(model, method, opts)
     if family not in FAMILIES:
-        raise ValueError(f"qklab.hf.apply supports model types {', '.join(FAMILIES)}; got '{family}'")
+        raise ValueError(f"qklab.hf.apply supports model types {', '.join(FAMILIES + DEEPSEEK)}; got '{family}'")
     mods = attention_modules(model)
     init_std = getattr(cfg, "initializer_range", 0.02)
     for mod in mods:
@@ -105,5 +112,24 @@ def apply(model: nn.Module, method: str, **options) -> nn.Module:
             mod.k_norm = None
         mod.qk_method = qm
         _swap_class(mod)
+    use_qklab_attention(model)
+    return model
+
+
+def _apply_deepseek(model: nn.Module, method: str, opts: object) -> nn.Module:
+    """MLA layers: the method maps the materialised per-head q, k ([nope | rope], pre-RoPE) as in qklab's
+    MLA; methods that change the projection widths (qkmap) are refused there as here."""
+    cfg = model.config
+    mods = sorted((m for m in model.modules() if hasattr(m, "kv_a_proj_with_mqa")), key=lambda m: m.layer_idx)
+    for mod in mods:
+        F = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        H = cfg.num_attention_heads
+        qm: QKMethod = METHODS[method](AttnShape(cfg.hidden_size, H, H, F, mod.layer_idx, len(mods)), opts)
+        if qm.proj_dim() != F or qm.qk_in_dim() != cfg.hidden_size:
+            raise ValueError(f"{method} changes the q/k projection widths, which MLA (DeepSeek) does not allow")
+        qm.reset_parameters()
+        p = mod.kv_b_proj.weight
+        mod.qk_method = qm.to(device=p.device, dtype=p.dtype)
+        _swap_class(mod, QKDeepSeekMixin)
     use_qklab_attention(model)
     return model

@@ -128,3 +128,56 @@ class QKAttentionMixin:
                         dropout=self.attention_dropout if self.training else 0.0,
                         sliding_window=getattr(self, "sliding_window", None), **kwargs)
         return self.o_proj(out.reshape(B, T, -1)), w
+
+
+class DeepSeekRope:
+    """qklab's ``Rope`` interface on DeepSeek's trailing rope features: x (B, H, T, nope + rope); the rope
+    part turns with the layer's own rotation (V2's complex one, V3's interleaved or rotate-half)."""
+
+    def __init__(self, module: nn.Module, position_embeddings) -> None:
+        import sys
+
+        family = next(c for c in type(module).__mro__ if c.__module__.startswith("transformers."))
+        self.fns, self.pe, self.dim = sys.modules[family.__module__], position_embeddings, module.qk_rope_head_dim
+        self.interleave = getattr(module.config, "rope_interleave", True)
+
+    def __call__(self, x: torch.Tensor, pos: int = 0) -> torch.Tensor:
+        keep, rot = x.split([x.shape[-1] - self.dim, self.dim], dim=-1)
+        if hasattr(self.fns, "apply_rotary_emb"):  # DeepSeek-V2: complex frequencies
+            rot = self.fns.apply_rotary_emb(rot, rot, self.pe)[0]
+        elif self.interleave:
+            rot = self.fns.apply_rotary_pos_emb_interleave(rot, rot, *self.pe)[0]
+        else:
+            rot = self.fns.apply_rotary_pos_emb(rot, rot, *self.pe)[0]
+        return torch.cat([keep, rot], dim=-1)
+
+
+class QKDeepSeekMixin:
+    """Forward of a DeepSeek-V2/V3 attention layer with a qklab ``QKMethod`` on its materialised per-head
+    q and k, [nope | rope] pre-RoPE, as in qklab's MLA. The cache holds the per-head (mapped) keys and
+    values: a per-token, per-head key map cannot live in DeepSeek's compressed cache."""
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
+                past_key_values=None, **kwargs):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        cache = cache if cache is not None else past_key_values
+        B, T, _ = hidden_states.shape  # (B, T, C)
+        n, r, R, dv = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank, self.v_head_dim
+        x = hidden_states
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(B, T, -1, n + r).transpose(1, 2)  # (B, H, T, nope + rope)
+        c, kr = self.kv_a_proj_with_mqa(x).split([R, r], dim=-1)  # (B, T, kv_rank), (B, T, rope)
+        kv = self.kv_b_proj(self.kv_a_layernorm(c)).view(B, T, -1, n + dv).transpose(1, 2)  # (B, H, T, nope + v)
+        kn, v = kv.split([n, dv], dim=-1)
+        k = torch.cat([kn, kr.unsqueeze(1).expand(B, kn.shape[1], T, r)], dim=-1)  # (B, H, T, nope + rope)
+        m = self.qk_method
+        q, k = m.map_qk(q, k, DeepSeekRope(self, position_embeddings), 0)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+        F_ = q.shape[-1]
+        scaling = self.scaling * m.scale(F_) * F_**0.5  # DeepSeek's scale (YaRN mscale included) x the method's
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, qklab_attention)
+        out, w = attend(self, q, k, v, attention_mask, scaling=scaling,
+                        dropout=self.attention_dropout if self.training else 0.0, **kwargs)
+        return self.o_proj(out.reshape(B, T, -1)), w

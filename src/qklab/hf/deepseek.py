@@ -79,7 +79,22 @@ def load_deepseek_attention(ours: MLAttention, theirs: nn.Module) -> MLAttention
     ours.wuk.weight.copy_(kvb[:, :n].reshape(H * n, R))
     ours.wuv.weight.copy_(kvb[:, n:].reshape(H * v, R))
     ours.wo.weight.copy_(theirs.o_proj.weight)
+    _method_gains(ours, theirs, perm, into_ours=True)
     return ours
+
+
+def _method_gains(ours: MLAttention, theirs: nn.Module, perm: torch.Tensor, into_ours: bool) -> None:
+    """QK-Norm gains of a layer converted with ``qklab.hf.apply``: per coordinate of [nope | rope], so their
+    rope part follows the rope rows' permutation."""
+    qm = getattr(theirs, "qk_method", None)
+    if qm is None or not hasattr(qm, "q_norm") or not hasattr(ours.qk, "q_norm"):
+        return
+    n = ours.nope_dim
+    for a, b in ((ours.qk.q_norm, qm.q_norm), (ours.qk.k_norm, qm.k_norm)):
+        if into_ours:
+            a.weight[:n], a.weight[n:] = b.weight[:n], b.weight[n:][perm]
+        else:
+            b.weight[:n], b.weight[n:] = a.weight[:n], a.weight[n:][torch.argsort(perm)]
 
 
 @torch.no_grad()
@@ -105,6 +120,7 @@ def save_deepseek_attention(ours: MLAttention, theirs: nn.Module) -> nn.Module:
     kvb[:, :n] = ours.wuk.weight.view(H, n, R)
     kvb[:, n:] = ours.wuv.weight.view(H, v, R)
     theirs.o_proj.weight.copy_(ours.wo.weight)
+    _method_gains(ours, theirs, torch.argsort(inv), into_ours=False)
     return theirs
 
 
