@@ -68,6 +68,7 @@ class QKMethod(nn.Module):
         super().__init__()
         self.shape = shape
         self.opts = opts
+        self.record = False  # True: the next forwards keep what stats() reports
 
     def proj_dim(self) -> int:
         """Per-head output width of W_Q and W_K."""
@@ -131,6 +132,11 @@ class QKMethod(nn.Module):
     def raw_logit(self, s: torch.Tensor) -> torch.Tensor:
         """The inverse of ``logits`` (the scaled q.k behind a logit the method returns), for QK-clip."""
         return s
+
+    def stats(self) -> dict[str, list[float]]:
+        """Per-head stability statistics of the last forward run with ``self.record = True`` (QK-MAP:
+        phase scale, phase spread, aliasing, pre-map norms); {} for methods without any."""
+        return {}
 
     def param_group(self) -> tuple[str, float] | None:
         """None: the method's own parameters join the model's groups by shape (norm gains: no decay).

@@ -120,7 +120,6 @@ class QKMap(QKMethod):
         self.log_freq = nn.Parameter(torch.zeros(groups, coords, M), requires_grad=opts.learn_freqs)  # (G, d|1, M)
         learn_t = opts.learn_temperature and opts.variant != "input"  # input uses the 1/sqrt(d) scale, no T_h
         self.log_temp = nn.Parameter(torch.zeros(shape.n_heads), requires_grad=learn_t)  # (H,): log T_h
-        self.record = False  # True: map_qk keeps the pre-map statistics that stats() reports
         self._seen: dict[str, torch.Tensor] = {}
         self.reset_parameters()
 
