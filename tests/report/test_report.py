@@ -13,7 +13,7 @@ from qklab.config import ConfigError
 from qklab.report import write_report
 from qklab.report.figures import uniform_first_token
 from qklab.study.result import write_json_atomic
-from tests.study.synthetic import result
+from tests.study.synthetic import probe, result
 
 VARIANTS = {"none": {}, "qknorm": {}, "qkmap": {}, "quack": {}, "mla-none": {}, "mla-quack": {}}
 
@@ -29,9 +29,10 @@ def _write(tmp_path):
         n = noise[s]
         cells = [result("none", 1.0, s, 5.0 + n, 5.05 + n, max_logit=40.0, first_token=0.20),
                  result("none", 2.0, s, 5.2 + n, 5.25 + n, diverged=s == 2),
-                 result("qknorm", 1.0, s, 5.02 + n, 5.07 + n, method="qknorm"),
+                 result("qknorm", 1.0, s, 5.02 + n, 5.07 + n, method="qknorm", probe=probe(0.0, 0.5 + n)),
                  result("qknorm", 2.0, s, 5.1 + n, 5.1 + n, method="qknorm"),
-                 result("qkmap", 1.0, s, 4.9 + n, 4.93 + n, method="qkmap", first_token=0.10, curve_shift=-0.5),
+                 result("qkmap", 1.0, s, 4.9 + n, 4.93 + n, method="qkmap", first_token=0.10, curve_shift=-0.5,
+                        probe=probe(0.3 + n, 1.0 + n)),
                  result("qkmap", 2.0, s, 4.95 + n, 4.9 + n, method="qkmap"),
                  result("quack", 1.0, s, 5.0 + n, 5.06 + n, controller="quack", max_logit=12.0),
                  result("quack", 2.0, s, 4.98 + n, 5.0 + n, controller="quack", max_logit=15.0),
@@ -69,7 +70,13 @@ def test_report_data_and_claims(tmp_path):
     v, why = claims["allows a higher base learning rate than no intervention (MHA)"]
     assert v == "**agree**"  # quack x2 stable, none diverged at x2
     v, why = claims["stronger attention contrast on relevant evidence at long context"]
-    assert v == "**not measurable**" and "probe" in why
+    assert v == "**not measurable**" and "probe" in why  # no probes on the Standard cells
+    assert claims["keeps sensitivity to input scale (unlike QK-Norm)"][0] == "**agree**"  # JS 0.3 vs 0
+    pq = fig["probes"]["mha"]["qkmap"]
+    assert pq["n"] == 3 and pq["magnitude_js_a4"] == pytest.approx(0.3 + 0.01 / 3)
+    assert pq["retrieval"]["length"] == [64, 128] and pq["retrieval"]["extrapolation"] == [False, True]
+    assert pq["retrieval"]["log_contrast"] == pytest.approx([1.0 + 0.01 / 3, (1.0 + 0.01 / 3) / 2])
+    assert pq["magnitude"]["scale"] == [0.25, 1.0, 4.0]
     v, why = claims["better than the fixed-multiplier ablation"]
     assert v == "**not measurable**" and "qk_lr_multiplier" in why
     # results table: the paired difference against the reference
@@ -78,7 +85,7 @@ def test_report_data_and_claims(tmp_path):
     # html: self-contained, every figure embedded as a decodable PNG
     page = (out / "report.html").read_text()
     imgs = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
-    assert len(imgs) == 5 and all(base64.b64decode(i)[:8] == b"\x89PNG\r\n\x1a\n" for i in imgs)
+    assert len(imgs) == 6 and all(base64.b64decode(i)[:8] == b"\x89PNG\r\n\x1a\n" for i in imgs)
     assert "http://" not in page and "https://" not in page
     assert "## Claims" in (out / "report.md").read_text()
 

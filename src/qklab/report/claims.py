@@ -106,10 +106,10 @@ def _probe_claim(key: str, a: tuple, b: tuple, higher: bool) -> Callable[[list[d
         ga, gb = _find(groups, *a), _find(groups, *b)
         if not ga or not gb:
             return "not measurable", "-", f"needs {a[0].upper()} cells of {a[1]} and {b[1]}"
-        sa = {s: float(p[key]) for s, p in ga[0]["probe_by_seed"].items() if key in p}
-        sb = {s: float(p[key]) for s, p in gb[0]["probe_by_seed"].items() if key in p}
+        sa = {s: float(p[key]) for s, p in ga[0]["probe_by_seed"].items() if p.get(key) is not None}
+        sb = {s: float(p[key]) for s, p in gb[0]["probe_by_seed"].items() if p.get(key) is not None}
         if not sa or not sb:
-            return "not measurable", "-", ("no attention probes in these results (set [protocol] probe = true)"
+            return "not measurable", "-", ("no attention probes in these results (set [protocol] probe = 1 or more)"
                                            if not ga[0]["probes"] else f"the probes have no '{key}'")
         d = paired_difference(sb, sa) if higher else paired_difference(sa, sb)
         d["a"], d["b"] = (gb[0]["variant"], ga[0]["variant"]) if higher else (ga[0]["variant"], gb[0]["variant"])
@@ -134,10 +134,10 @@ CLAIMS: list[Claim] = [
           _less(QKMAP, STD, "first_token", "first-token attention")),
     Claim("QK-MAP", "keeps sensitivity to input scale (unlike QK-Norm)",
           "probe: attention JS divergence at input scale x4, QK-MAP minus QK-Norm",
-          _probe_claim("magnitude_js", QKMAP, QKN, higher=True)),
+          _probe_claim("magnitude_js_a4", QKMAP, QKN, higher=True)),
     Claim("QK-MAP", "stronger attention contrast on relevant evidence at long context",
           "probe: retrieval evidence log-contrast at the longest context <= training length",
-          _probe_claim("evidence_contrast", QKMAP, STD, higher=True)),
+          _probe_claim("log_contrast", QKMAP, STD, higher=True)),
     Claim("QuacK", "allows a higher base learning rate than no intervention (MHA)",
           "highest rate of the grid with no diverged seed", _stable_rate((MHA, "none", "quack"), STD)),
     Claim("QuacK", "allows a higher base learning rate than no intervention (MLA)",

@@ -66,25 +66,27 @@ def _label(g: dict[str, Any]) -> str:
 
 
 def _probe_series(probes: list[dict]) -> dict[str, Any]:
-    """Mean over seeds of each numeric headline of the probe summaries (keys as the probes give them)."""
-    keys = sorted({k for p in probes for k, v in p.items() if isinstance(v, int | float)})
-    out: dict[str, Any] = {}
+    """Means over seeds: the numeric headline numbers, retrieval against context length, and the
+    attention change (JS divergence) against input scale."""
+    out: dict[str, Any] = {"n": len(probes)}
+    keys = sorted({k for p in probes for k, v in p["summary"].items() if isinstance(v, int | float)})
     for k in keys:
-        vals = [num(p[k]) for p in probes if k in p]
-        vals = [v for v in vals if math.isfinite(v)]
-        out[k] = float(np.mean(vals)) if vals else float("nan")
-    series = [p.get("evidence_by_length") for p in probes if isinstance(p.get("evidence_by_length"), dict)]
-    if series:
-        out["evidence_by_length"] = series[0] if len(series) == 1 else _mean_dicts(series)
+        out[k] = _nanmean([p["summary"].get(k) for p in probes])
+    lengths = sorted({r["length"] for p in probes for r in p.get("retrieval") or []})
+    rows = [[r for p in probes for r in p.get("retrieval") or [] if r["length"] == n] for n in lengths]
+    out["retrieval"] = {"length": lengths, "extrapolation": [any(r.get("extrapolation") for r in rs) for rs in rows],
+                        **{k: [_nanmean([r.get(k) for r in rs]) for rs in rows]
+                           for k in ("log_contrast", "mass", "uniform_mass", "accuracy")}}
+    scales = next((p["magnitude"]["scales"] for p in probes if (p.get("magnitude") or {}).get("scales")), [])
+    out["magnitude"] = {"scale": scales, "js": [_nanmean([(p.get("magnitude") or {}).get("js_mean", [None] * len(
+        scales))[i] for p in probes]) for i in range(len(scales))]}
     return out
 
 
-def _mean_dicts(ds: list[dict]) -> dict:
-    out = {}
-    for k in ds[0]:
-        vals = [num(d[k]) for d in ds if k in d]
-        out[k] = float(np.nanmean(vals)) if vals else float("nan")
-    return out
+def _nanmean(xs: list) -> float:
+    vals = [num(x) for x in xs if x is not None]
+    vals = [v for v in vals if math.isfinite(v)]
+    return float(np.mean(vals)) if vals else float("nan")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -169,6 +171,49 @@ def _first_token(ax, att, series) -> None:
     ax.set_ylim(0, 1.1 * max([0.35, *(m for m in means if math.isfinite(m))]))
 
 
+def _probes(series: dict[str, dict], path: Path) -> Path | None:
+    """Per attention type: retrieval log-contrast and evidence mass against context length (hollow
+    markers: longer than the training length), and the attention change against input scale."""
+    if not any(series.values()):
+        return None
+    plt = _plt()
+    atts = sorted(series)
+    fig, axes = plt.subplots(len(atts), 3, figsize=(16, 4 * len(atts)), squeeze=False)
+    for row, att in zip(axes, atts, strict=True):
+        uniform = None
+        for label, s in series[att].items():
+            rt, mg = s["retrieval"], s["magnitude"]
+            if rt["length"]:
+                (line,) = row[0].plot(rt["length"], rt["log_contrast"], "-", label=f"{label} (n={s['n']})")
+                for ax, key in ((row[0], "log_contrast"), (row[1], "mass")):
+                    for n, y, ext in zip(rt["length"], rt[key], rt["extrapolation"], strict=True):
+                        ax.plot([n], [y], "o", color=line.get_color(), mfc="none" if ext else line.get_color())
+                row[1].plot(rt["length"], rt["mass"], "-", color=line.get_color(), label=label)
+                uniform = (rt["length"], rt["uniform_mass"])
+            if mg["scale"]:
+                row[2].plot(mg["scale"], mg["js"], "o-", label=label)
+        if uniform is not None:
+            row[1].plot(*uniform, "k:", lw=1, label="uniform attention")
+        for ax, title, ylab in ((row[0], "retrieval log-contrast (evidence vs control)", "log ratio"),
+                                (row[1], "attention mass on the evidence", "mass"),
+                                (row[2], "attention change under input scale a", "JS divergence vs a = 1")):
+            ax.set_title(f"{title}: {att.upper()}", fontsize=9)
+            ax.set_ylabel(ylab)
+            ax.set_xscale("log", base=2)
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+        for ax in row[:2]:
+            ax.set_xlabel("context length N (hollow: N > training length)")
+            ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
+        row[2].set_xlabel("input scale a")
+        row[2].xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def draw(data: dict[str, Any], out: Path) -> dict[str, Path]:
     """Draw every figure that has data; returns name -> PNG path."""
     out.mkdir(parents=True, exist_ok=True)
@@ -181,5 +226,6 @@ def draw(data: dict[str, Any], out: Path) -> dict[str, Path]:
         "logit_change": _figure(data["logit_change"], out / "logit_change.png",
                                 _curves("logit change per step", "mean |d logit| / step", True)),
         "first_token": _figure(data["first_token"], out / "first_token.png", _first_token, sharey=True),
+        "probes": _probes(data["probes"], out / "probes.png"),
     }
     return {k: v for k, v in figs.items() if v is not None}

@@ -161,7 +161,9 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
                 "max_logit": "Max attention logit on the held-out batch over training.",
                 "logit_change": "Mean absolute logit change per optimizer step between diagnostics.",
                 "first_token": "First-token attention at the last diagnostics step, with the uniform-attention "
-                               "baseline and the 0.3 sink threshold."}
+                               "baseline and the 0.3 sink threshold.",
+                "probes": "Attention probes of the final checkpoints (qklab probe; mean over seeds): retrieval "
+                          "evidence contrast and mass against context length, and magnitude sensitivity."}
     sections = [("Claims", "claims"), ("Results (report split)", "results"),
                 ("Learning-rate sensitivity (selection split)", "sensitivity"), ("Throughput", "throughput")]
     if tables["failures"][1]:

@@ -49,8 +49,9 @@ def _cell_cfg(cell: Cell, out: Path, threads: int):
                         "train.progress=false", f"train.threads={threads}"])
 
 
-def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, probe: bool) -> dict[str, Any]:
-    """Train one cell and write its result file; never raises for a failure of the cell itself."""
+def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, probe: int) -> dict[str, Any]:
+    """Train one cell and write its result file; never raises for a failure of the cell itself.
+    probe: 0 none; N > 0 attention probes up to N training lengths of context after training."""
     from qklab.data import prepare_data, unigram_entropy
     from qklab.diagnostics.stability import NonFiniteError
     from qklab.train.checkpoint import latest_checkpoint
@@ -81,7 +82,7 @@ def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, pro
         res = build_result(header, run_dir, read_metrics(run_dir / "metrics.jsonl"), unigram, chash,
                            time.time() - t0, stopped)
         if probe and not res["diverged"]:
-            res["probe"] = _probe(run_dir)
+            res["probe"] = _probe(run_dir, probe)
     except Exception as e:  # any failure of the cell is recorded and the study goes on
         traceback.print_exc()
         res = failed_result(header, f"{type(e).__name__}: {e}".splitlines()[0], chash, time.time() - t0)
@@ -89,22 +90,21 @@ def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, pro
     return res
 
 
-def _probe(run_dir: Path) -> dict[str, Any]:
-    """Headline attention probes of the cell's last checkpoint (qklab probe), written beside the run."""
-    import json
+def _probe(run_dir: Path, max_mult: int) -> dict[str, Any]:
+    """Attention probes of the cell's last checkpoint (``qklab probe``): the headline numbers and the
+    series against context length (retrieval) and input scale (magnitude); the full probes.json and its
+    plots stay in the cell's run folder."""
+    from qklab.diagnostics import probe_summary
+    from qklab.diagnostics.probe import ProbeOptions, run_probe
 
-    from qklab.diagnostics.probe import run_probe
-
-    run_probe(run_dir, out=run_dir / "probe")
-    full = json.loads((run_dir / "probe" / "probes.json").read_text())
-    try:
-        from qklab.diagnostics import probe_summary
-    except ImportError:
-        return {"raw": full}
-    return probe_summary(full)
+    full = run_probe(run_dir, out=run_dir / "probe", opts=ProbeOptions(max_mult=max_mult))
+    rows = (full.get("retrieval") or {}).get("lengths") or []
+    keep = ("length", "extrapolation", "mass", "uniform_mass", "log_contrast", "rank", "top1", "accuracy")
+    return {"summary": probe_summary(full), "retrieval": [{k: r.get(k) for k in keep} for r in rows],
+            "magnitude": {k: (full.get("magnitude") or {}).get(k) for k in ("scales", "js_mean")}}
 
 
-def _worker(cell: Cell, study: str, out: Path, results: Path, threads: int, probe: bool) -> None:
+def _worker(cell: Cell, study: str, out: Path, results: Path, threads: int, probe: int) -> None:
     """Entry point of a worker process: everything it prints goes to the cell's log."""
     log = out / "logs" / f"{cell.id}.log"
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

@@ -20,7 +20,7 @@
     lr_mults_for = { qkmap = [1, 2, 4] }
     lr_key = "train.lr"
     data_seed = 0                    # every cell sees the same batches in the same order
-    probe = false                    # attention probes (first-token attention, evidence) on each finished cell
+    probe = 0                        # attention probes on each finished cell, contexts up to N training lengths
 
 A cell is one plain training run. Its id names the variant, grid point, rate multiple and seed.
 """
@@ -50,7 +50,7 @@ class Protocol:
     lr_mults_for: dict[str, list[float]] = field(default_factory=dict)
     lr_key: str = "train.lr"
     data_seed: int = 0
-    probe: bool = False
+    probe: int = 0  # 0: none; N: qklab probe on each finished cell, contexts up to N training lengths
 
     def mults(self, variant: str) -> list[float]:
         return self.lr_mults_for.get(variant, self.lr_mults)
@@ -187,9 +187,11 @@ def parse_study(raw: dict[str, Any], name: str, path: Path | None = None) -> Stu
     proto = Protocol(reference=ref, lr_mults=_num_list(p.get("lr_mults", [1.0]), "[protocol] lr_mults"),
                      lr_mults_for={k: _num_list(v, f"[protocol] lr_mults_for.{k}")
                                    for k, v in p.get("lr_mults_for", {}).items()},
-                     lr_key=p.get("lr_key", "train.lr"), data_seed=p.get("data_seed", 0), probe=p.get("probe", False))
+                     lr_key=p.get("lr_key", "train.lr"), data_seed=p.get("data_seed", 0), probe=p.get("probe", 0))
     for k in proto.lr_mults_for:
         _need(k in variants, "[protocol] lr_mults_for", f"'{k}' is not a variant; variants: {', '.join(variants)}")
+    _need(type(proto.probe) is int and proto.probe >= 0, "[protocol] probe",
+          f"{proto.probe!r}: use 0 (no probes) or N >= 1 (probe contexts up to N training lengths)")
     _need(isinstance(proto.data_seed, int) and proto.data_seed >= -1, "[protocol] data_seed",
           "use a seed >= 0 (the same batches in every cell) or -1 (each seed its own order)")
     study = Study(name, path, preset, list(seeds), common, grid, variants, proto)
