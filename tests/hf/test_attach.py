@@ -213,3 +213,43 @@ def test_attach_refuses_bad_input():
         qklab.attach(model, opt, "quack")
     with pytest.raises(ValueError, match="no parameter"):
         qklab.attach(model, opt, "quack", layers=[LayerSpec(q="c_attn.7.weight", k="c_attn.0.weight", n_heads=4)])
+
+
+def test_qkclip_on_deepseek_mla_clips_each_head_to_tau():
+    """MLA: q_nope, k_nope and q_rope are scaled inside the strided q_b_proj / kv_b_proj views; every head's
+    max logit, recomputed with qklab's MLA on the same layer inputs, lands at min(S_h, tau)."""
+    from qklab.hf.deepseek import mla_config, mla_from_deepseek
+    from qklab.model import Rope
+
+    model = _deepseek()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_b_proj.weight.view(H, 24, -1).mul_(torch.linspace(2, 12, H).view(-1, 1, 1))
+    inputs = []
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_pre_hook(
+            lambda m, a, kw: inputs.append(kw["hidden_states"].detach()), with_kwargs=True)
+    cfg = mla_config(model.config)
+
+    def head_max(i, x):
+        ours = mla_from_deepseek(model.model.layers[i].self_attn).eval()
+        ours.capture = {}
+        with torch.no_grad():
+            ours(x, Rope(64, cfg.rope_theta, cfg.yarn))
+        s, mask = ours.capture["logits"], ours.capture["mask"]
+        return s.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3))
+
+    idx = torch.randint(0, 101, (2, 16))
+    with torch.no_grad():
+        model(idx)
+    xs = inputs[:2]
+    s0 = [head_max(i, xs[i]) for i in range(2)]
+    tau = float(torch.cat(s0).median())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    handle = qklab.attach(model, opt, "qkclip", tau_clip=tau)
+    model.train()
+    model(idx).logits.sum().backward()
+    opt.step()
+    for i in range(2):
+        torch.testing.assert_close(head_max(i, xs[i]), torch.minimum(s0[i], torch.tensor(tau)), rtol=1e-4, atol=1e-4)
+    assert 0 < handle.controller.metrics()["qkclip_heads_clipped"] < 2 * H
