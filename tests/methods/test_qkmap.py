@@ -338,3 +338,11 @@ def test_initial_logit_statistics_match_documented_values(name):
     row_std = torch.stack([r.std(dim=-1, correction=0) for r in rows]).mean()
     assert pooled.std().item() == pytest.approx(want_std, rel=0.25)
     assert row_std.item() == pytest.approx(want_row, rel=0.1)
+
+
+def test_weights_saved_with_the_linear_temperature_still_load():
+    m = QKMap(SHAPE, QKMapOptions())
+    old = {k: v for k, v in m.state_dict().items() if k != "log_temp"}
+    old["temp"] = torch.tensor([3.0, -2.0, 7.0, 0.5])  # the earlier parameter: T_h, any sign
+    m.load_state_dict(old)
+    torch.testing.assert_close(m.temperature().detach(), torch.tensor([3.0, 2.0, 7.0, 0.5]))

@@ -164,6 +164,12 @@ class QKMap(QKMethod):
         self.log_freq.copy_(grid.view(self.log_freq.shape[1:]).expand_as(self.log_freq))
         self.log_temp.fill_(math.log(o.temperature or 2.0 * math.sqrt(self.shape.head_dim)))
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        old = state_dict.pop(prefix + "temp", None)  # weights saved before the log temperature: T_h itself
+        if old is not None and prefix + "log_temp" not in state_dict:
+            state_dict[prefix + "log_temp"] = old.abs().clamp_min(1e-6).log()  # |s| <= |T_h| was the bound
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def freqs(self) -> torch.Tensor:
         return self.log_freq.exp()  # (G, d|1, M)
 
