@@ -110,6 +110,7 @@ class TrainConfig:
     out_dir: str = "runs"
     seed: int = 0
     data_seed: int = -1  # order of the training batches; -1: train.seed (a study fixes it across cells)
+    trackers: list[str] = field(default_factory=list)  # also log to: "tensorboard", "wandb" (offline)
     steps: int = 200
     batch_size: int = 16
     seq_len: int = 256
@@ -193,6 +194,8 @@ class RunConfig:
         _check(t.device in ("auto", "cpu", "cuda"), f"train.device='{t.device}': use auto, cpu or cuda")
         _check(t.seq_len <= m.max_seq_len,
                f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise max_seq_len")
+        _check(all(x in ("tensorboard", "wandb") for x in t.trackers) and len(set(t.trackers)) == len(t.trackers),
+               f"train.trackers={t.trackers}: use a list of distinct names from tensorboard, wandb")
         _check(t.data_seed >= -1, f"train.data_seed={t.data_seed}: use -1 (follow train.seed) or a seed >= 0")
         _check(t.nonfinite in ("stop", "skip"), f"train.nonfinite='{t.nonfinite}': use stop or skip")
         try:
@@ -288,7 +291,7 @@ RESUMABLE = frozenset({
     "preset", "train.name", "train.out_dir", "train.steps", "train.log_every", "train.eval_every",
     "train.eval_batches", "train.ckpt_every", "train.keep_ckpts", "train.progress", "train.threads",
     "train.device", "train.compile", "train.diag_every", "train.diag_batch", "train.nonfinite",
-    "train.skip_limit", "train.lr", "train.grad_clip", "data.cache_dir",
+    "train.skip_limit", "train.lr", "train.grad_clip", "data.cache_dir", "train.trackers",
 })
 
 

@@ -24,7 +24,7 @@ def _clean(v: Any) -> Any:
 
 
 class MetricsLog:
-    def __init__(self, path: Path, truncate_after: int | None = None) -> None:
+    def __init__(self, path: Path, truncate_after: int | None = None, trackers: list | None = None) -> None:
         """Open ``path`` for appending. On resume, ``truncate_after`` drops records logged after the
         checkpoint step, so the file reads as if the run had never been interrupted. The rewrite is atomic,
         and a line torn by a kill mid-write is dropped with the rest."""
@@ -34,14 +34,23 @@ class MetricsLog:
             keep = [ln for ln, s in steps if s is not None and s <= truncate_after]
             atomic_write_text(path, "".join(ln + "\n" for ln in keep))
         self._f = open(path, "a")
+        self.trackers = trackers or []  # optional TensorBoard / W&B sinks (qklab.train.trackers)
 
     def log(self, step: int, **values: Any) -> None:
         rec = {"step": step, "time": round(time.time(), 3), **_clean(values)}
         self._f.write(json.dumps(rec) + "\n")
         self._f.flush()
+        if self.trackers:
+            from qklab.train.trackers import flat_scalars
+
+            scalars = flat_scalars(rec)
+            for t in self.trackers:
+                t.log(step, scalars)
 
     def close(self) -> None:
         self._f.close()
+        for t in self.trackers:
+            t.close()
 
 
 def _step(line: str) -> int | None:

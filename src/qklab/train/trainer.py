@@ -36,6 +36,7 @@ from qklab.train.checkpoint import (
 from qklab.train.evaluate import eval_loss, max_attention_logits
 from qklab.train.files import atomic_write_text
 from qklab.train.metrics import MetricsLog
+from qklab.train.trackers import build_trackers
 from qklab.train.optim import build_optimizer, lr_mult, set_lr
 from qklab.train.runfolder import RunFolder
 from qklab.train.signals import RunInterrupted, StopSignals
@@ -146,7 +147,9 @@ class Trainer:
         elif overwrite:
             self.folder.clear()  # only now: a run that fails to start leaves the old one intact
         self._write_config()
-        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", truncate_after=self.step if resume else -1)
+        trackers = build_trackers(t.trackers, self.run_dir, cfg.to_dict()) if t.trackers else []
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", truncate_after=self.step if resume else -1,
+                                  trackers=trackers)
 
     # ------------------------------------------------------------------------------------------------
     def autocast(self):
