@@ -7,7 +7,8 @@
     set = { "train.steps" = 150 }    # config keys applied to every cell
 
     [grid]                           # optional: every combination, crossed with the variants
-    "model.d_model" = [64, 128]
+    "model.d_model" = [64, 128]      # a value may set several keys together:
+    shape = [{ "model.d_model" = 64, "model.n_heads" = 1 }, { "model.d_model" = 128, "model.n_heads" = 2 }]
 
     [variants.none]                  # one table per variant: config keys (dotted), and optionally
     "qk.method" = "none"             # config = "<preset>" to start from another preset
@@ -125,7 +126,17 @@ def _sets(d: dict[str, Any]) -> list[str]:
 
 
 def _label(v: Any) -> str:
+    if isinstance(v, dict):
+        return "-".join(_label(x) for x in flatten(v).values())
     return re.sub(r"[^A-Za-z0-9.]+", "", str(v)) or "x"
+
+
+def _point_sets(point: tuple[tuple[str, Any], ...]) -> list[str]:
+    """--set items of a grid point; a table value sets each of its keys."""
+    out: list[str] = []
+    for k, v in point:
+        out += _sets(v) if isinstance(v, dict) else [f"{k}={toml_value(v)}"]
+    return out
 
 
 def cell_hash(cfg: RunConfig) -> str:
@@ -166,7 +177,10 @@ def parse_study(raw: dict[str, Any], name: str, path: Path | None = None) -> Stu
           "[study] seeds", f"{seeds!r} must be a non-empty list of distinct integers >= 0")
     common = s.get("set", {})
     _need(isinstance(common, dict), "[study] set", "must be a table of config keys, e.g. { \"train.steps\" = 100 }")
-    grid = flatten(raw.get("grid", {}))
+    grid = raw.get("grid", {})
+    _need(isinstance(grid, dict), "[grid]", "must be a table of key = [values]")
+    grid = {k: v for k, v in flatten({k: v for k, v in grid.items() if not isinstance(v, list)}).items()} | {
+        k: v for k, v in grid.items() if isinstance(v, list)}
     for k, v in grid.items():
         _need(isinstance(v, list) and bool(v), f"[grid] {k}", f"{v!r} must be a non-empty list of values")
     variants = raw.get("variants", {"default": {}})
@@ -212,8 +226,8 @@ def expand(study: Study) -> list[Cell]:
                 raw = dict(raw)
                 preset = raw.pop("config", study.preset)
                 where = f"variant '{label}'" + (f" at {dict(point)}" if point else "")
-                sets = [*base_sets, *[f"{k}={toml_value(v)}" for k, v in point], *_sets(raw)]
-                key = (label, point)
+                sets = [*base_sets, *_point_sets(point), *_sets(raw)]
+                key = (label, json.dumps(point, sort_keys=True, default=str))
                 if key not in bases:  # the variant's own base rate at this grid point
                     try:
                         cfg = load_config(preset, sets)
