@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from qklab.cli import main
-from qklab.config import ConfigError, load_config
+from qklab.cli import build_parser, main
+from qklab.config import ConfigError, check_methods, comparable, load_config, resume_changes
 from qklab.methods.softcap import SoftCapOptions
 
 
@@ -71,3 +71,72 @@ def test_cli_subprocess_no_traceback():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and "qk.method='nope' is unknown" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [  # values that used to pass validation and then crash or misbehave
+        ("train.eval_every=0", "train.eval_every=0 is out of range"),
+        ("train.log_every=0", "train.log_every=0 is out of range"),
+        ("train.threads=-1", "train.threads=-1 is out of range"),
+        ("model.d_ff=-64", "model.d_ff=-64 is out of range"),
+        ("model.init_std=-0.02", "model.init_std=-0.02 is out of range"),
+        ("model.init_std=0", "model.init_std=0.0 is out of range"),
+        ("train.lr=inf", "'train.lr' must be a finite number, got inf"),
+        ("train.lr=nan", "'train.lr' must be a finite number, got nan"),
+        ("qk.softcap.cap=inf", "'qk.softcap.cap' must be a finite number"),
+        ("train.warmup_steps=-1", "train.warmup_steps=-1 is out of range"),
+        ("train.ckpt_every=-5", "train.ckpt_every=-5 is out of range"),
+        ("train.keep_ckpts=0", "train.keep_ckpts=0 is out of range"),
+        ("train.seed=-1", "train.seed=-1 is out of range"),
+        ("train.beta2=1.0", "train.beta2=1.0 is out of range"),
+        ("train.skip_limit=2", "train.skip_limit=2.0 is out of range"),
+        ("model.d_model=0", "model.d_model=0 is out of range: it must be > 0"),  # names the key
+        ("model.n_layers=-2", "model.n_layers=-2 is out of range"),
+        ("train.name=..", "train.name='..' is not a plain run name"),
+        ("train.name='a/b'", "train.name='a/b' is not a plain run name"),
+    ],
+)
+def test_validation_gaps_are_closed(override, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", [override])
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_messages_name_the_key_and_list_choices_plainly():
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", ["qk.softcap=1"])
+    assert "'qk.softcap' is the section of softcap's options" in str(e.value) and "qk.softcap.<option>" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", ["qk.method=bogus"])
+    assert "[" not in str(e.value) and "choose one of none, qkmap, qknorm, softcap" in str(e.value)
+
+
+def test_method_lists_are_checked_before_any_training():
+    assert check_methods(["none", "qknorm"]) == ["none", "qknorm"]
+    with pytest.raises(ConfigError, match="unknown qk.method 'bogus'"):
+        check_methods(["none", "bogus"])
+    with pytest.raises(ConfigError, match="unknown qk.method ''"):
+        check_methods(["none", ""])
+
+
+def test_train_help_lists_every_preset():
+    helptext = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+    for name in ("tiny", "small", "small_mla"):
+        assert name in helptext
+
+
+def test_argparse_errors_are_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--bogus"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("qklab: error: unrecognized arguments: --bogus")
+
+
+def test_resume_changes_name_only_keys_that_may_not_change():
+    a = comparable(load_config("tiny"))
+    b = comparable(load_config("tiny", ["train.steps=99", "train.lr=1e-4", "qk.method=softcap", "qk.softcap.cap=20"]))
+    assert resume_changes(a, b) == ["qk.method 'none' -> 'softcap'"]
+    c = comparable(load_config("tiny", ["qk.method=softcap"]))
+    assert resume_changes(c, b) == ["qk.softcap.cap 50.0 -> 20.0"]  # a method option counts too
+    assert resume_changes({"train": {"steps": 1}}, b) == []  # keys a run did not save are not compared

@@ -154,7 +154,7 @@ class RunConfig:
         m, t, q = self.model, self.train, self.qk
         for key, ok, want in _RANGES:
             value = getattr(getattr(self, key.split(".")[0]), key.split(".")[1])
-            _check(ok(value), f"{key}={value!r} is out of range; use {want}")
+            _check(ok(value), f"{key}={value!r} is out of range: it must be {want}")
         check_run_name(t.name, "train.name", allow_empty=True)
         _check(m.d_model % m.n_heads == 0,
                f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}; pick heads that divide the width")
@@ -227,41 +227,41 @@ def _above(lo: float) -> Callable[[Any], bool]:
 
 # every numeric key and what a valid value is (types are checked on loading, non-finite floats refused)
 _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
-    ("model.vocab_size", _at_least(0), "an integer >= 0 (0: the tokenizer's vocabulary)"),
-    ("model.d_model", _above(0), "an integer > 0"),
-    ("model.n_layers", _above(0), "an integer > 0"),
-    ("model.n_heads", _above(0), "an integer > 0"),
-    ("model.n_kv_heads", _at_least(0), "an integer >= 0 (0: same as n_heads)"),
-    ("model.d_ff", _at_least(0), "an integer >= 0 (0: 8/3 * d_model)"),
-    ("model.max_seq_len", _above(1), "an integer > 1"),
-    ("model.rope_theta", _above(0), "a number > 0, e.g. 10000"),
-    ("model.norm_eps", _above(0), "a small number > 0, e.g. 1e-6"),
-    ("model.init_std", _above(0), "a number > 0, e.g. 0.02"),
-    *((f"model.{k}", _at_least(0), "an integer >= 0 (0: the default)")
+    ("model.vocab_size", _at_least(0), ">= 0 (0: the tokenizer's vocabulary)"),
+    ("model.d_model", _above(0), "> 0"),
+    ("model.n_layers", _above(0), "> 0"),
+    ("model.n_heads", _above(0), "> 0"),
+    ("model.n_kv_heads", _at_least(0), ">= 0 (0: same as n_heads)"),
+    ("model.d_ff", _at_least(0), ">= 0 (0: 8/3 * d_model)"),
+    ("model.max_seq_len", _above(1), "> 1"),
+    ("model.rope_theta", _above(0), "> 0, e.g. 10000"),
+    ("model.norm_eps", _above(0), "> 0, e.g. 1e-6"),
+    ("model.init_std", _above(0), "> 0, e.g. 0.02"),
+    *((f"model.{k}", _at_least(0), ">= 0 (0: the default)")
       for k in ("q_rank", "kv_rank", "nope_dim", "rope_dim", "v_dim")),
-    ("train.seed", _between(0, 2**32 - 1), "an integer from 0 to 2**32 - 1"),
-    ("train.steps", _above(0), "an integer > 0"),
-    ("train.batch_size", _above(0), "an integer > 0"),
-    ("train.seq_len", _above(1), "an integer > 1"),
-    ("train.grad_accum", _above(0), "an integer > 0"),
-    ("train.lr", _above(0), "a number > 0, e.g. 3e-3"),
-    ("train.adam_lr", _at_least(0), "a number >= 0 (0: train.lr)"),
-    ("train.weight_decay", _at_least(0), "a number >= 0"),
-    ("train.beta1", _between(0, 1, hi_open=True), "a number in [0, 1), e.g. 0.9"),
-    ("train.beta2", _between(0, 1, hi_open=True), "a number in [0, 1), e.g. 0.95"),
-    ("train.muon_momentum", _between(0, 1, hi_open=True), "a number in [0, 1), e.g. 0.95"),
-    ("train.warmup_steps", _at_least(0), "an integer >= 0"),
-    ("train.min_lr_ratio", _between(0, 1), "a number in [0, 1]"),
-    ("train.grad_clip", _at_least(0), "a number >= 0 (0: off)"),
-    ("train.eval_every", _above(0), "an integer > 0 (steps between evaluations)"),
-    ("train.eval_batches", _above(0), "an integer > 0"),
-    ("train.ckpt_every", _at_least(0), "an integer >= 0 (0: only at the end)"),
-    ("train.keep_ckpts", _above(0), "an integer > 0"),
-    ("train.log_every", _above(0), "an integer > 0 (steps between metric records)"),
-    ("train.threads", _at_least(0), "an integer >= 0 (0: torch's default)"),
-    ("train.diag_every", _at_least(0), "an integer >= 0 (0: off)"),
-    ("train.diag_batch", _above(0), "an integer > 0"),
-    ("train.skip_limit", _between(0, 1), "a share in [0, 1], e.g. 0.1"),
+    ("train.seed", _between(0, 2**32 - 1), "from 0 to 2**32 - 1"),
+    ("train.steps", _above(0), "> 0"),
+    ("train.batch_size", _above(0), "> 0"),
+    ("train.seq_len", _above(1), "> 1"),
+    ("train.grad_accum", _above(0), "> 0"),
+    ("train.lr", _above(0), "> 0, e.g. 3e-3"),
+    ("train.adam_lr", _at_least(0), ">= 0 (0: train.lr)"),
+    ("train.weight_decay", _at_least(0), ">= 0"),
+    ("train.beta1", _between(0, 1, hi_open=True), "in [0, 1), e.g. 0.9"),
+    ("train.beta2", _between(0, 1, hi_open=True), "in [0, 1), e.g. 0.95"),
+    ("train.muon_momentum", _between(0, 1, hi_open=True), "in [0, 1), e.g. 0.95"),
+    ("train.warmup_steps", _at_least(0), ">= 0"),
+    ("train.min_lr_ratio", _between(0, 1), "in [0, 1]"),
+    ("train.grad_clip", _at_least(0), ">= 0 (0: off)"),
+    ("train.eval_every", _above(0), "> 0 (steps between evaluations)"),
+    ("train.eval_batches", _above(0), "> 0"),
+    ("train.ckpt_every", _at_least(0), ">= 0 (0: only at the end)"),
+    ("train.keep_ckpts", _above(0), "> 0"),
+    ("train.log_every", _above(0), "> 0 (steps between metric records)"),
+    ("train.threads", _at_least(0), ">= 0 (0: torch's default)"),
+    ("train.diag_every", _at_least(0), ">= 0 (0: off)"),
+    ("train.diag_batch", _above(0), "> 0"),
+    ("train.skip_limit", _between(0, 1), "in [0, 1], e.g. 0.1"),
 ]
 
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]{0,127}")
