@@ -1,0 +1,87 @@
+"""Truncated, byte-flipped and missing checkpoint files: resume and probe fall back to the newest good
+checkpoint and say which; the resumed run still ends bitwise equal to the uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qklab.train.checkpoint import latest_checkpoint, read_state, verify_checkpoint
+from tests.faults.common import LEDGER, STEPS, cli, copy_run, same_as_reference, sets
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) * 2 // 3] ^= 0x01  # one bit, deep in the tensors / the pickled state
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "truncated-weights": lambda ck: _truncate(ck / "model.safetensors"),
+    "truncated-state": lambda ck: _truncate(ck / "state.pt"),
+    "flipped-weights": lambda ck: _flip(ck / "model.safetensors"),
+    "flipped-state": lambda ck: _flip(ck / "state.pt"),
+    "missing-weights": lambda ck: (ck / "model.safetensors").unlink(),
+    "missing-state": lambda ck: (ck / "state.pt").unlink(),
+    "garbled-manifest": lambda ck: (ck / "manifest.json").write_text("{not json"),
+}
+
+
+def _damaged_run(reference, root, how):
+    """The reference run with its last two checkpoints damaged as ``how`` says (step_10 stays good),
+    its training cut back to step 10 as if it had crashed there."""
+    run = copy_run(reference, root, "dmg")
+    for step in (20, 30):
+        DAMAGE[how](run / "ckpt" / f"step_{step:07d}")
+    return run
+
+
+@pytest.mark.parametrize("how", sorted(DAMAGE))
+def test_resume_falls_back_to_the_newest_good_checkpoint(reference, root, how):
+    run = _damaged_run(reference, root, how)
+    LEDGER.injected += 1
+    assert verify_checkpoint(run / "ckpt" / "step_0000030") is not None
+    r = cli("train", "--config", "tiny", *sets(root, "dmg"), "--resume")
+    assert r.code == 0, r.err
+    warn = [ln for ln in r.out.splitlines() if ln.startswith("warning:")]
+    assert len(warn) == 1 and "step_0000030 is damaged" in warn[0] and "using step_0000010" in warn[0], r.out
+    assert f"resumed {run} at step 10" in r.out
+    assert same_as_reference(run, reference)
+
+
+def test_a_single_flipped_bit_is_caught_by_the_checksum(reference, root):
+    run = copy_run(reference, root, "bit")
+    ck = run / "ckpt" / f"step_{STEPS:07d}"
+    _flip(ck / "model.safetensors")
+    LEDGER.injected += 1
+    assert "sha256" in verify_checkpoint(ck)
+    with pytest.raises(ValueError, match="damaged"):
+        read_state(ck)
+    assert latest_checkpoint(run / "ckpt").name == "step_0000020"
+    LEDGER.recovered += 1
+
+
+def test_probe_uses_the_newest_good_checkpoint_and_refuses_a_damaged_one(reference, root):
+    run = _damaged_run(reference, root, "truncated-weights")
+    LEDGER.injected += 1
+    r = cli("probe", str(run / "ckpt" / "step_0000030"), "--no-evidence", "--batch", "2", "--out", str(root / "p1"))
+    assert r.code == 2 and len(r.err_lines) == 1 and "damaged" in r.err_lines[0], r.err
+    r = cli("probe", str(run), "--no-evidence", "--batch", "2", "--out", str(root / "p2"))
+    assert r.code == 0, r.err
+    assert json.loads((root / "p2" / "probes.json").read_text())["step"] == 10
+    LEDGER.recovered += 1
+
+
+def test_no_good_checkpoint_left_is_one_line(reference, root):
+    run = copy_run(reference, root, "none")
+    for ck in (run / "ckpt").glob("step_*"):
+        _truncate(ck / "state.pt")
+    LEDGER.injected += 1
+    r = cli("train", "--config", "tiny", *sets(root, "none"), "--resume")
+    assert r.code == 2 and len(r.err_lines) == 1, r.err
+    assert r.err_lines[0].startswith("qklab: error: --resume: no usable checkpoint")
