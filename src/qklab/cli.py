@@ -17,7 +17,7 @@ from qklab.config import ConfigError, load_config, preset_names
 from qklab.data import DataError
 from qklab.diagnostics.stability import NonFiniteError
 from qklab.train.checkpoint import CheckpointError
-from qklab.train.signals import RunInterrupted
+from qklab.train.signals import RunInterrupted, TermRaises
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -173,7 +173,8 @@ def _out_of_memory(e: BaseException) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
+        with TermRaises():  # SIGTERM outside the training loop: one line too
+            return args.fn(args)
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"qklab: error: {_one_line(e)}", file=sys.stderr)
         return 2

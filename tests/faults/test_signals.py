@@ -110,3 +110,29 @@ def test_sigterm_during_a_checkpoint_write_finishes_it_then_stops(root, referenc
     ck = latest_checkpoint(root / "runs" / "termw" / "ckpt")
     assert ck.name == "step_0000020" and verify_checkpoint(ck) is None
     _resume_and_check(root, "termw", reference)
+
+
+SLOW_PREPARE = """
+import time
+import qklab.train.trainer as tr
+_real = tr.prepare_data
+def _slow(*a, **k):
+    print("PREPARING", flush=True)
+    time.sleep(60)
+    return _real(*a, **k)
+tr.prepare_data = _slow
+"""
+
+
+def test_sigterm_before_training_is_one_line_and_leaves_no_folder(root):
+    proc = child(_train(root, "early"), prelude=SLOW_PREPARE)
+    for line in proc.stdout:
+        if line.strip() == "PREPARING":
+            break
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    LEDGER.injected += 1
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines() == ["qklab: stopped by SIGTERM; the last checkpoint is intact (continue with "
+                                        "--resume)"]
+    assert not (root / "runs" / "early").exists()

@@ -55,3 +55,23 @@ class StopSignals:
 
     def __exit__(self, *exc: object) -> None:
         self.restore()
+
+
+def _terminated(signum: int, _frame: FrameType | None) -> None:
+    raise RunInterrupted(f"stopped by {signal.Signals(signum).name}; the last checkpoint is intact (continue with "
+                         "--resume)", signum)
+
+
+class TermRaises:
+    """Context manager for a whole command: SIGTERM raises ``RunInterrupted`` (one line, exit 143) instead
+    of killing the process silently. The training loop's ``StopSignals`` takes over while it runs."""
+
+    def __enter__(self) -> TermRaises:
+        self._old = None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, _terminated)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
