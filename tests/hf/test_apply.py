@@ -267,3 +267,21 @@ def test_deepseek_generate_and_padding(method, opts):
 def test_deepseek_refuses_qkmap():
     with pytest.raises(ValueError, match="projection widths"):
         apply(_deepseek(), "qkmap")
+
+
+def test_attention_function_without_a_mask_is_causal():
+    """Called with no mask (a custom caller), qklab's attention function is still causal."""
+    from qklab.hf.attention import qklab_attention
+
+    model = apply(tiny_model("llama"), "softcap", cap=2.0)
+    mod = model.model.layers[0].self_attn
+    q, k, v = torch.randn(1, H, 6, D), torch.randn(1, HKV, 6, D), torch.randn(1, HKV, 6, D)
+    got, _ = qklab_attention(mod, q, k, v, None, scaling=0.25)  # eager (soft-capped)
+    ref, _ = qklab_attention(mod, q, k, v, _causal(1, 6), scaling=0.25)
+    torch.testing.assert_close(got, ref)
+    mod.qk_method = None  # the fused path
+    got, _ = qklab_attention(mod, q, k, v, None, scaling=0.25)
+    ref, _ = qklab_attention(mod, q, k, v, _causal(1, 6), scaling=0.25)
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
+    full, _ = qklab_attention(mod, q, k, v, torch.zeros(1, 1, 6, 6), scaling=0.25)
+    assert (full - ref).abs().max() > 1e-2  # a causal mask matters here

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qklab.model.attention import MaxLogitTracker
+from qklab.model.attention import MaxLogitTracker, causal_mask
 
 NAME = "qklab"
 
@@ -66,6 +66,8 @@ def qklab_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     rewrites = method is not None and method.modifies_logits
     H, Hkv, Tk = query.shape[1], key.shape[1], key.shape[2]
     mask = attention_mask[..., :Tk] if attention_mask is not None else None
+    if mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True):
+        mask = causal_mask(query.shape[2], Tk, query.device)[None, None]  # no mask given: causal, last-aligned
     if mask is not None and mask.dtype == torch.bool:  # a boolean (sdpa-style) mask: make it additive
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(
             ~mask, torch.finfo(query.dtype).min)
