@@ -31,7 +31,9 @@ def _train(model, callback, tmp_path):
                              learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
                              max_grad_norm=0.0, optim="sgd", logging_steps=1, save_strategy="no", report_to="none",
                              use_cpu=True, seed=0, disable_tqdm=True)
-    Trainer(model=model, args=args, train_dataset=_data()[1], callbacks=[callback]).train()
+    trainer = Trainer(model=model, args=args, train_dataset=_data()[1], callbacks=[callback])
+    trainer.train()
+    model.trainer = trainer
     return model
 
 
@@ -165,6 +167,8 @@ def test_qkclip_callback_matches_per_head_reference(tmp_path):
             torch.testing.assert_close(torch.tensor(rec[f"qk/max_logit/layer{i}"]), seen[step][i], atol=1e-4,
                                        rtol=1e-4)
         assert rec["qk/qkclip_heads_clipped"] == clipped[step]
+    logged = [r for r in got.trainer.state.log_history if "loss" in r]  # the Trainer's own records have them too
+    assert len(logged) == STEPS and logged[0]["qk/max_logit/layer0"] == cb.history[0]["qk/max_logit/layer0"]
 
 
 def test_qkclip_is_refused_on_qwen3_qk_norm(tmp_path):

@@ -11,6 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import qklab.hf  # noqa: E402
 from qklab.config import ModelConfig, QKConfig  # noqa: E402
 from qklab.data.tokenizer import BPETokenizer, ByteTokenizer  # noqa: E402
 from qklab.hf.export import LAYER_KEYS, export_pretrained, import_pretrained  # noqa: E402
@@ -43,6 +44,10 @@ def test_exported_model_matches_in_transformers_and_generates(method, n_kv, tie,
     x = torch.randint(0, 300, (2, 40))
     with torch.no_grad():
         torch.testing.assert_close(theirs(x).logits, ours(x)[0], atol=1e-5, rtol=1e-5)
+        if method == "qknorm":  # apply on a model loaded from a local folder: Qwen3's QK-Norm taken over
+            qklab.hf.apply(theirs, "qknorm")
+            assert theirs.model.layers[0].self_attn.q_norm is None
+            torch.testing.assert_close(theirs(x).logits, ours(x)[0], atol=1e-5, rtol=1e-5)
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
     prompt = torch.tensor([hf_tok.encode("def add(a, b):")])
     assert prompt[0].tolist() == tok.encode("def add(a, b):")
