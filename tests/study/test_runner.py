@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import pytest
 
@@ -111,3 +112,52 @@ def test_sweep_shorthand_is_a_study(tmp_path):
         sweep_study("tiny", ["no-colon"], "0", tmp_path, [])
     with pytest.raises(ConfigError, match="--seeds 'a,b'"):
         sweep_study("tiny", ["a:qk.method=none"], "a,b", tmp_path, [])
+
+
+def test_interrupted_study_resumes_without_loss(tmp_path):
+    """Ctrl-C (SIGINT to the process group) mid-cell: the cell checkpoints and stops, no result is written
+    for it, and the next run resumes it to the same numbers as an uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    study_file = tmp_path / "s.toml"
+    study_file.write_text(f"""
+[study]
+config = "tiny"
+seeds = [0]
+[study.set]
+"train.steps" = 120
+"train.lr" = 1e-2
+"train.eval_every" = 60
+"train.ckpt_every" = 20
+"train.diag_every" = 0
+"data.max_files" = 20
+"data.cache_dir" = "{tmp_path}/cache"
+[variants.a]
+"qk.method" = "none"
+""")
+    cmd = [sys.executable, "-m", "qklab.cli", "study", "run", str(study_file), "--out", str(tmp_path / "o"),
+           "--workers", "1", "--no-report"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    metrics = tmp_path / "o" / "cells" / "a_lr1_s0" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (metrics.exists() and '"step": 40' in metrics.read_text()):
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    out = proc.communicate(timeout=240)[0].decode()
+    assert proc.returncode != 0, out
+    assert not (tmp_path / "o" / "results" / "a_lr1_s0" / "result.json").exists()
+    assert list((tmp_path / "o" / "cells" / "a_lr1_s0" / "ckpt").glob("step_*"))
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    resumed = read_result(tmp_path / "o" / "results" / "a_lr1_s0" / "result.json")
+    assert "resumed" in (tmp_path / "o" / "logs" / "a_lr1_s0.log").read_text()
+    ref = run_study(parse_study({"study": {"config": "tiny", "seeds": [0], "set": {
+        "train.steps": 120, "train.lr": 1e-2, "train.eval_every": 60, "train.ckpt_every": 20, "train.diag_every": 0,
+        "data.max_files": 20, "data.cache_dir": f"{tmp_path}/cache"}}, "variants": {"a": {"qk.method": "none"}}}, "r"),
+        tmp_path / "ref", workers=0, log=lambda s: None).results["a_lr1_s0"]
+    assert resumed["final"]["report_loss"] == ref["final"]["report_loss"]  # bitwise: nothing lost
+    assert resumed["curves"]["train"] == ref["curves"]["train"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
 import time
 import traceback
@@ -32,6 +33,7 @@ from qklab.study.result import build_result, cell_header, failed_result, read_re
 from qklab.study.spec import Cell, Study, cell_hash
 
 DONE = ("ok", "diverged")
+STOP_GRACE_S = 120  # seconds a stopped worker gets to reach its next step and checkpoint
 
 
 @dataclass
@@ -56,6 +58,7 @@ def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, pro
     from qklab.diagnostics.stability import NonFiniteError
     from qklab.train.checkpoint import latest_checkpoint
     from qklab.train.metrics import read_metrics
+    from qklab.train.signals import RunInterrupted
     from qklab.train.trainer import Trainer
 
     log_path = out / "logs" / f"{cell.id}.log"
@@ -83,6 +86,8 @@ def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, pro
                            time.time() - t0, stopped)
         if probe and not res["diverged"]:
             res["probe"] = _probe(run_dir, probe)
+    except RunInterrupted:  # stopped by a signal after a checkpoint: not done, not failed; a re-run resumes
+        raise
     except Exception as e:  # any failure of the cell is recorded and the study goes on
         traceback.print_exc()
         res = failed_result(header, f"{type(e).__name__}: {e}".splitlines()[0], chash, time.time() - t0)
@@ -112,7 +117,13 @@ def _worker(cell: Cell, study: str, out: Path, results: Path, threads: int, prob
     os.dup2(fd, 2)
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
-    run_cell(cell, study, out, results, threads, probe)
+    from qklab.train.signals import RunInterrupted
+
+    try:
+        run_cell(cell, study, out, results, threads, probe)
+    except RunInterrupted as e:
+        print(f"stopped: {e}")
+        sys.exit(e.exit_code)
 
 
 def _last_step(run_dir: Path) -> int:
@@ -195,6 +206,7 @@ def run_study(study: Study, out: Path, results: Path | None = None, workers: int
         if workers <= 0:
             for cell in runnable:
                 res = run_cell(cell, study.name, out, results, threads, study.protocol.probe)
+                bar.update(steps[cell.id])
                 _finish(cell, res, outcome, bar, steps, log)
         else:
             _pool(runnable, study, out, results, workers, threads, outcome, bar, steps, log)
@@ -224,6 +236,7 @@ def _pool(cells: list[Cell], study: Study, out: Path, results: Path, workers: in
           outcome: Outcome, bar, steps: dict[str, int], log) -> None:
     ctx = mp.get_context("spawn")  # a clean interpreter per cell: no inherited threads or torch state
     queue, running = list(cells), {}
+    old_term = signal.signal(signal.SIGTERM, _raise_interrupt)  # a scheduler's SIGTERM: stop the workers too
     counted: dict[str, int] = {}
     progress = {"steps": 0}
     t_start = last_note = time.time()
@@ -258,7 +271,26 @@ def _pool(cells: list[Cell], study: Study, out: Path, results: Path, workers: in
                 log(f"  {done}/{total} steps; running {len(running)}, done {c['ok']}, diverged {c['diverged']}, "
                     f"failed {c['failed']}, queued {len(queue)}; ETA {eta / 60:.1f} min")
                 last_note = time.time()
+    except KeyboardInterrupt as e:
+        if not isinstance(e, _Terminated):  # Ctrl-C reached the workers too (same process group): each
+            for _, p in running.values():  # checkpoints at its next step and exits
+                p.join(timeout=STOP_GRACE_S)
+        raise
     finally:
-        for _, p in running.values():  # interrupted: stop the workers; their checkpoints stay for a resume
-            p.terminate()
-            p.join()
+        signal.signal(signal.SIGTERM, old_term)
+        for _, p in running.values():  # ask once (SIGTERM: checkpoint at the next step), then insist
+            if p.is_alive():
+                p.terminate()
+        for _, p in running.values():
+            p.join(timeout=STOP_GRACE_S)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+class _Terminated(KeyboardInterrupt):
+    """The study process itself got SIGTERM; its workers did not, and are asked in turn."""
+
+
+def _raise_interrupt(signum, _frame) -> None:
+    raise _Terminated(f"signal {signum}")
