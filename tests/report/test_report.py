@@ -107,3 +107,18 @@ def test_report_disagree_and_inconclusive(tmp_path):
 def test_no_results_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match="no result.json"):
         write_report([tmp_path])
+
+
+def test_several_studies_combine(tmp_path):
+    for name, shift in (("a", 0.0), ("b", 0.5)):
+        res = tmp_path / name
+        write_json_atomic(res / "study.json", {"name": name, "variants": {"none": {}},
+                                               "protocol": {"reference": "none"}})
+        for s in range(2):
+            c = result("none", 1.0, s, 5.0 + shift + 0.01 * s, 5.0 + shift, study=name)
+            write_json_atomic(res / c["cell"] / "result.json", c)
+    data = json.loads((write_report([tmp_path / "a", tmp_path / "b"], out=tmp_path / "r") / "report.json").read_text())
+    curves = data["figures"]["val_curves"]["mha"]
+    assert set(curves) == {"none (a)", "none (b)"}
+    assert curves["none (b)"]["mean"][-1] == pytest.approx(5.505)
+    assert len(data["tables"]["results"]["rows"]) == 2

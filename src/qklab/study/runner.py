@@ -232,6 +232,12 @@ def _finish(cell: Cell, res: dict, outcome: Outcome, bar, steps: dict[str, int],
     bar.set_postfix_str(f"done {c['ok']} diverged {c['diverged']} failed {c['failed']}")
 
 
+def _show_running(bar, running: int, outcome: Outcome, queued: int) -> None:
+    c = outcome.counts()
+    bar.set_postfix_str(f"running {running} queued {queued} | done {c['ok']} diverged {c['diverged']} "
+                        f"failed {c['failed']}", refresh=False)
+
+
 def _pool(cells: list[Cell], study: Study, out: Path, results: Path, workers: int, threads: int,
           outcome: Outcome, bar, steps: dict[str, int], log) -> None:
     ctx = mp.get_context("spawn")  # a clean interpreter per cell: no inherited threads or torch state
@@ -248,6 +254,7 @@ def _pool(cells: list[Cell], study: Study, out: Path, results: Path, workers: in
                                 args=(cell, study.name, out, results, threads, study.protocol.probe))
                 p.start()
                 running[cell.id] = (cell, p)
+            _show_running(bar, len(running), outcome, len(queue))
             time.sleep(0.5)
             for cid, (cell, p) in list(running.items()):
                 done_steps = steps[cid] if not p.is_alive() else min(_last_step(out / "cells" / cid), steps[cid])
