@@ -41,7 +41,8 @@ from qklab.config import ConfigError, RunConfig, load_config
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # keys that do not change what a cell computes (where it writes, how it shows progress, its threads)
-NEUTRAL_KEYS = {("train", "out_dir"), ("train", "name"), ("train", "progress"), ("train", "threads")}
+NEUTRAL_KEYS = {("train", "out_dir"), ("train", "name"), ("train", "progress"), ("train", "threads"),
+                ("data", "cache_dir")}
 
 
 @dataclass
