@@ -56,8 +56,11 @@ def test_overwrite_refuses_a_folder_that_is_not_a_run(root):
 
 def test_overwrite_replaces_a_run(reference, root):
     run = copy_run(reference, root, "again")
+    (run / "tb").mkdir()  # a tracker's files and a study's mark belong to the run too
+    (run / "cell.json").write_text("{}")
     r = cli("train", "--config", "tiny", *sets(root, "again"), "--overwrite")
     assert r.code == 0, r.err
+    assert not (run / "tb").exists() and not (run / "cell.json").exists()
     assert [x["step"] for x in read_metrics(run / "metrics.jsonl") if "loss" in x] == list(range(1, STEPS + 1))
 
 

@@ -85,3 +85,9 @@ def test_a_missing_config_file_and_bad_toml_are_one_line(root):
     for spec in (str(root / "nope.toml"), str(bad)):
         r = cli("train", "--config", spec)
         assert r.code == 2 and len(r.err_lines) == 1 and r.err_lines[0].startswith("qklab: error:"), r.err
+
+
+def test_demo_rejects_an_unknown_method_before_training(root):
+    r = cli("demo", "--methods", "none,bogus", "--out", str(root / "demo"))
+    assert r.code == 2 and len(r.err_lines) == 1 and "bogus" in r.err_lines[0], r.err
+    assert not (root / "demo").exists()

@@ -16,7 +16,8 @@ from qklab.config import ConfigError
 
 LOCK = ".lock"
 # what a run folder may hold; --overwrite refuses to delete a folder holding anything else
-RUN_FILES = {LOCK, "config.json", "metrics.jsonl", "train.log", "ckpt", "probes.json", "probes"}
+RUN_FILES = {LOCK, "config.json", "metrics.jsonl", "train.log", "ckpt", "probes.json", "probes", "tb", "wandb",
+             "cell.json"}
 
 
 class RunLockError(ConfigError):
