@@ -73,6 +73,18 @@ def test_a_bug_prints_its_traceback_and_the_run_log(root, monkeypatch):
     assert "Traceback" in log.read_text() and "KeyError" in log.read_text()
 
 
+def test_a_bug_while_setting_up_keeps_the_run_log(root, monkeypatch):
+    import qklab.train.trainer as trainer_mod
+
+    def broken(*_a, **_k):
+        raise TypeError("injected bug")
+    monkeypatch.setattr(trainer_mod, "GPT", broken)
+    r = cli("train", "--config", "tiny", *sets(root, "bug0"))
+    log = root / "runs" / "bug0" / "train.log"
+    assert r.code == 1 and "Traceback" in r.err and r.err_lines[-1].endswith(f"TypeError; the run's log is {log}")
+    assert "injected bug" in log.read_text() and "Traceback" in log.read_text()
+
+
 def test_an_unwritable_output_folder_is_one_line(root):
     (root / "afile").write_text("")
     r = cli("train", "--config", "tiny", *sets(root, "w"), "--set", f"train.out_dir='{root / 'afile' / 'runs'}'")

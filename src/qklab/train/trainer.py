@@ -19,13 +19,14 @@ import torch
 from tqdm import tqdm
 
 from qklab.config import ConfigError, RunConfig, check_run_name, comparable, resume_changes
-from qklab.data import PreparedData, TokenLoader, prepare_data
+from qklab.data import DataError, PreparedData, TokenLoader, prepare_data
 from qklab.data.retrieval import train_loader
 from qklab.diagnostics.monitor import AttentionMonitor
 from qklab.diagnostics.stability import NonFiniteError, SpikeDetector
 from qklab.methods import CONTROLLERS
 from qklab.model import GPT
 from qklab.train.checkpoint import (
+    CheckpointError,
     complete_checkpoints,
     latest_checkpoint,
     load_weights,
@@ -36,10 +37,13 @@ from qklab.train.checkpoint import (
 from qklab.train.evaluate import eval_loss, max_attention_logits
 from qklab.train.files import atomic_write_text
 from qklab.train.metrics import MetricsLog
-from qklab.train.trackers import build_trackers
 from qklab.train.optim import build_optimizer, lr_mult, set_lr
 from qklab.train.runfolder import RunFolder
 from qklab.train.signals import RunInterrupted, StopSignals
+from qklab.train.trackers import build_trackers
+
+# mistakes the user can fix, reported in one line; any other exception is a bug in qklab
+USER_ERRORS = (ConfigError, DataError, CheckpointError, OSError, NonFiniteError, RunInterrupted)
 
 
 def git_sha() -> str:
@@ -100,8 +104,13 @@ class Trainer:
         self.folder = RunFolder(self.run_dir, overwrite=overwrite and not resume)  # locked: one writer at a time
         try:
             self._build(resume, overwrite, data)
-        except BaseException:  # nothing half-made stays behind: the lock goes, a folder made just now too
-            self.folder.abandon()
+        except BaseException as e:
+            if isinstance(e, Exception) and not isinstance(e, USER_ERRORS):  # a bug: keep its story in the log
+                self._say(f"failed to start: {type(e).__name__}: {e}\n{traceback.format_exc()}", echo=False)
+                e.add_note(f"run log: {self.run_dir / 'train.log'}")
+                self.folder.release()
+            else:  # nothing half-made stays behind: the lock goes, a folder made just now too
+                self.folder.abandon()
             raise
 
     def _build(self, resume: bool, overwrite: bool, data: PreparedData | None) -> None:
@@ -308,7 +317,7 @@ class Trainer:
                 if stop.received is not None:
                     self._stop_on_signal(stop.name, stop.received)
         except Exception as e:  # the whole story goes to the run's log; the CLI prints one line or the traceback
-            trace = "" if isinstance(e, RunInterrupted | NonFiniteError) else "\n" + traceback.format_exc()
+            trace = "" if isinstance(e, USER_ERRORS) else "\n" + traceback.format_exc()
             self._say(f"ended at step {self.step}: {type(e).__name__}: {e}{trace}", echo=False)
             e.add_note(f"run log: {self.run_dir / 'train.log'}")
             raise
