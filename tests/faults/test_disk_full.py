@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
+import qklab.atomic as files
 import qklab.train.checkpoint as ck
-import qklab.train.files as files
 from qklab.train.checkpoint import latest_checkpoint, remove_stale_temps
 from qklab.train.metrics import MetricsLog
 from tests.faults.common import LEDGER, cli, copy_run, same_as_reference, sets

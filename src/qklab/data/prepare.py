@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from qklab.atomic import atomic_write_bytes
+
 from .config import DataConfig, DataError
 from .sources import Document, load_documents
 from .split import content_sha256, heldout_parts, split_documents
@@ -130,7 +132,7 @@ def _get_tokenizer(
         start = time.perf_counter()
         tokenizer = BPETokenizer.train((d.text for d in train), cfg.vocab_size)
         tok_json = tokenizer.to_json()
-        _atomic_write_bytes(path, tok_json.encode("utf-8"))
+        atomic_write_bytes(path, tok_json.encode("utf-8"))
         log(
             f"tokenizer: trained BPE with {tokenizer.vocab_size} tokens "
             f"in {time.perf_counter() - start:.1f}s, saved {path.name}"
@@ -185,15 +187,3 @@ def _write_tokens(path: Path, docs: list[Document], tokenizer: Tokenizer, eot: i
     finally:
         tmp.unlink(missing_ok=True)
     return n_tokens
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

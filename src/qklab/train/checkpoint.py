@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from qklab.train.files import atomic_write_text, fsync_dir, fsync_file, pid_alive
+from qklab.atomic import atomic_write_text, fsync_dir, fsync_file, pid_alive
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qklab.train.files import atomic_write_text
+from qklab.atomic import atomic_write_text
 
 
 def _clean(v: Any) -> Any:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from qklab.atomic import atomic_write_text
 from qklab.config import ConfigError, RunConfig, check_run_name, comparable, resume_changes
 from qklab.data import DataError, PreparedData, TokenLoader, prepare_data
 from qklab.data.retrieval import train_loader
@@ -35,7 +36,6 @@ from qklab.train.checkpoint import (
     save_checkpoint,
 )
 from qklab.train.evaluate import eval_loss, max_attention_logits
-from qklab.train.files import atomic_write_text
 from qklab.train.metrics import MetricsLog
 from qklab.train.optim import build_optimizer, lr_mult, set_lr
 from qklab.train.runfolder import RunFolder

@@ -1,8 +1,8 @@
 """Crash-safe file writes: a reader sees the old file or the new one, never a torn one.
 
-``atomic_write_text`` writes a temporary file next to the target, fsyncs it, renames it over the target
-and fsyncs the folder. Run folders use it for ``config.json``, the metrics truncation on resume and the
-checkpoint pointer; result files written by other commands should use it too.
+``atomic_write_bytes`` / ``atomic_write_text`` write a temporary file next to the target, fsync it,
+rename it over the target and fsync the folder. Token caches and tokenizers, run folders
+(``config.json``, the metrics truncation on resume, the checkpoint pointer) and result files use them.
 """
 
 from __future__ import annotations
@@ -25,13 +25,17 @@ def fsync_dir(path: Path) -> None:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` in one rename; on any failure the old file stays and no temporary
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` in one rename; on any failure the old file stays and no temporary
     file is left behind."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
