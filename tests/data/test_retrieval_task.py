@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qklab.data import DataConfig, DataError, TokenLoader
-from qklab.data.retrieval import N_PAIRS, RetrievalLoader, seen_pool, training_sequence
+from qklab.data.retrieval import N_PAIRS, ROUNDS, RetrievalLoader, seen_pool, training_sequence
 
 TOKENS = np.random.default_rng(0).integers(0, 20, 20_000).astype(np.uint16)  # the text: ids 0..19
 POOL = np.arange(20, 60)  # ids "seen in training" that the text stretches do not use
@@ -23,13 +23,14 @@ def test_training_sequence_layout():
     window = TOKENS[:129].astype(np.int64)
     seq = training_sequence(window, pool, N_PAIRS, np.random.Generator(np.random.PCG64(1)))
     assert len(seq) == 129
-    text = window[: 129 - 4 * N_PAIRS]
-    asked = seq[-2 * N_PAIRS :].reshape(N_PAIRS, 2)  # every key again, each followed by its value
-    rest = seq[: -2 * N_PAIRS]
+    text = window[: 129 - (2 + 2 * ROUNDS) * N_PAIRS]
+    asked = seq[-2 * N_PAIRS * ROUNDS :].reshape(ROUNDS, N_PAIRS, 2)  # every key again, each with its value
+    rest = seq[: -2 * N_PAIRS * ROUNDS]
     d = next((i for i in range(len(text)) if rest[i] != text[i]), len(text))  # where the block starts
     block = rest[d : d + 2 * N_PAIRS].reshape(N_PAIRS, 2)
     assert np.array_equal(np.concatenate([rest[:d], rest[d + 2 * N_PAIRS :]]), text)  # text order kept
-    assert sorted(map(tuple, asked.tolist())) == sorted(map(tuple, block.tolist()))
+    for r in range(ROUNDS):
+        assert sorted(map(tuple, asked[r].tolist())) == sorted(map(tuple, block.tolist()))
     ids = block.reshape(-1)
     assert len(set(ids.tolist())) == 2 * N_PAIRS and set(ids.tolist()) <= set(pool.tolist())
     assert not set(ids.tolist()) & set(text.tolist())
@@ -46,11 +47,12 @@ def test_share_zero_is_the_plain_loader_and_share_one_plants_every_sequence():
         xn, yn = on.next_batch()
         assert torch.equal(x, xo) and torch.equal(y, yo)
         assert torch.equal(xn[:, 1:], yn[:, :-1])  # still (input, next-token target) pairs
-        keys = yn[:, -2 * N_PAIRS :: 2]  # the last targets: keys and values of the repeated block
-        vals = yn[:, -2 * N_PAIRS + 1 :: 2]
+        n = 2 * N_PAIRS * ROUNDS
+        keys = yn[:, -n::2]  # the last targets: keys and values asked again
+        vals = yn[:, -n + 1 :: 2]
         for b in range(4):
             for k, v in zip(keys[b].tolist(), vals[b].tolist(), strict=True):
-                pos = (xn[b, : -2 * N_PAIRS] == k).nonzero().flatten().tolist()
+                pos = (xn[b, : -n] == k).nonzero().flatten().tolist()
                 assert len(pos) == 1 and xn[b, pos[0] + 1].item() == v  # the pair earlier in the sequence
 
 
@@ -86,7 +88,7 @@ def test_a_text_using_every_id_falls_back_to_the_whole_pool():
 
 def test_too_short_sequences_are_refused():
     with pytest.raises(DataError, match="too short"):
-        RetrievalLoader(TOKENS, 2, 16, seed=0, share=0.5, pool=np.arange(1, 40))
+        RetrievalLoader(TOKENS, 2, 40, seed=0, share=0.5, pool=np.arange(1, 40))
 
 
 def test_the_trainer_uses_the_task_loader(tmp_path):

@@ -84,7 +84,7 @@ def test_probe_writes_its_files(run, tmp_path, capsys, monkeypatch):
     assert len(res["heads"]["logit_change"]) == run.cfg.model.n_layers
     assert res["magnitude"]["scales"] == [0.25, 0.5, 1.0, 2.0, 4.0]
     rt, ind = res["retrieval"], res["induction"]
-    assert [(r["length"], r["extrapolation"]) for r in rt["lengths"]] == [(64, False), (128, True)]
+    assert [(r["length"], r["extrapolation"]) for r in rt["lengths"]] == [(32, False), (64, False), (128, True)]
     assert ind["lengths"] == [64, 128] and len(ind["cells"]) == 6
     assert rt["pool_size"] < run.cfg.model.vocab_size  # only ids seen in training, no end-of-text id
 
@@ -108,7 +108,7 @@ def test_probe_summary_gives_the_headline_numbers(run):
     assert s["first_token_baseline"] == pytest.approx(sum(1 / (i + 1) for i in range(1, T)) / (T - 1))
     assert s["first_token"] == pytest.approx(sum(sum(r) for r in res["heads"]["first_token"]) / 8)
     assert s["sink_rate"] == res["heads"]["sink"]["rate"]
-    row = res["retrieval"]["lengths"][0]  # N = 64 = T, the longest N <= T
+    row = res["retrieval"]["lengths"][1]  # N = 64 = T, the longest N <= T (after N = 32)
     assert s["retrieval_length"] == 64 and s["evidence_mass"] == row["mass"]
     assert s["log_contrast"] == row["log_contrast"]
     assert s["top1_rank"] == row["rank"] and s["retrieval_accuracy"] == row["accuracy"]

@@ -5,7 +5,8 @@ A block of K pairs ``k_1 v_1 .. k_K v_K`` (2K distinct token ids) is inserted at
 stretch of text; later a key is named again and the next token must be its value:
 
     test:      text[:d] | k_1 v_1 .. k_K v_K | text[d:] | k_j                  (predict v_j)
-    training:  text[:d] | k_1 v_1 .. k_K v_K | text[d:] | k_a v_a k_b v_b ..   (all K keys, shuffled)
+    training:  text[:d] | k_1 v_1 .. k_K v_K | text[d:] | k_a v_a k_b v_b ..   (all K keys, shuffled,
+                                                                               ROUNDS times)
 
 Keys and values are drawn from ``pool`` (ids seen in the training tokens, special ids removed), leaving
 out every id of that stretch of text, so the named key occurs exactly once before the query (when the
@@ -25,6 +26,9 @@ from .loader import TokenLoader
 from .prepare import PreparedData
 
 N_PAIRS = 4  # key-value pairs per sequence
+ROUNDS = 4  # training: how many times all keys are asked again; one round gives too few targets for a
+# small model to find the copy circuit in a CPU-sized run (measured: none in 1,200 steps of `tiny`, where
+# four rounds reach 98% on the test format in 800)
 
 
 def seen_pool(tokens: np.ndarray, vocab_size: int, special: tuple[int, ...] = ()) -> np.ndarray:
@@ -72,13 +76,15 @@ def query_context(text: np.ndarray, depth: float, pool: np.ndarray, n_pairs: int
     return RetrievalContext(toks, pairs, j, control, d)
 
 
-def training_sequence(window: np.ndarray, pool: np.ndarray, n_pairs: int, rng: np.random.Generator) -> np.ndarray:
-    """A window of T + 1 tokens -> T + 1 tokens: its first T + 1 - 4K as text, the pair block at a
-    uniform random depth, and all K keys asked again (shuffled) with their values at the end."""
-    text = np.asarray(window[: len(window) - 4 * n_pairs], dtype=np.int64)
+def training_sequence(window: np.ndarray, pool: np.ndarray, n_pairs: int, rng: np.random.Generator,
+                      rounds: int = ROUNDS) -> np.ndarray:
+    """A window of T + 1 tokens -> T + 1 tokens: its first T + 1 - (2 + 2 rounds) K as text, the pair
+    block at a uniform random depth, and ``rounds`` times all K keys asked again (each round shuffled),
+    each followed by its value."""
+    text = np.asarray(window[: len(window) - (2 + 2 * rounds) * n_pairs], dtype=np.int64)
     pairs = draw_pairs(pool, text, n_pairs, rng)
     d = int(rng.integers(0, len(text) + 1))
-    asked = pairs[rng.permutation(n_pairs)].reshape(-1)
+    asked = np.concatenate([pairs[rng.permutation(n_pairs)].reshape(-1) for _ in range(rounds)])
     return np.concatenate([text[:d], pairs.reshape(-1), text[d:], asked])
 
 
@@ -89,9 +95,10 @@ class RetrievalLoader(TokenLoader):
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, share: float,
                  pool: np.ndarray, n_pairs: int = N_PAIRS, name: str = "train") -> None:
         super().__init__(tokens, batch_size, seq_len, seed, name)
-        if seq_len + 1 < 8 * n_pairs:
-            raise DataError(f"data.retrieval: seq_len={seq_len} is too short for {n_pairs} key-value pairs "
-                            f"(needs >= {8 * n_pairs - 1})")
+        need = (2 + 2 * ROUNDS) * n_pairs + 8  # the task and some text
+        if seq_len + 1 < need:
+            raise DataError(f"data.retrieval: train.seq_len={seq_len} is too short for the retrieval task "
+                            f"({n_pairs} key-value pairs asked {ROUNDS} times; needs seq_len >= {need - 1})")
         self.share, self.pool, self.n_pairs = float(share), pool, n_pairs
         self._task_rng = np.random.Generator(np.random.PCG64([seed, 7]))
 

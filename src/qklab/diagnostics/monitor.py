@@ -43,15 +43,18 @@ class Snapshot:
 
 
 def snapshot(model: nn.Module, x: torch.Tensor, prev: Snapshot | None = None, steps: int = 1,
-             keep_qk: bool = True) -> Snapshot:
+             keep_qk: bool = True, consume: bool = False) -> Snapshot:
     """Measure the attention of ``model`` on the token batch x (B, T). With ``prev`` (a snapshot of the
-    same batch), also ``logit_change``: mean |s - s_prev| per head divided by max(steps, 1)."""
+    same batch), also ``logit_change``: mean |s - s_prev| per head divided by max(steps, 1); ``consume``
+    drops each layer's reference q, k from ``prev`` once used, so one set is held, not two."""
     attns = attention_layers(model)
     rows: dict[str, list] = {k: [None] * len(attns) for k in (*PER_HEAD, "logit_change")}
     kept: list = [None] * len(attns)
 
     def on_layer(i: int, attn: nn.Module, q: torch.Tensor, k: torch.Tensor) -> None:
         st = layer_stats(attn, q, k, prev.qk[i] if prev is not None else None)
+        if consume and prev is not None:
+            prev.qk[i] = None
         for key in ("max_logit", "q_norm", "k_norm", "entropy", "first_token"):
             rows[key][i] = st[key].cpu()
         if prev is not None:
@@ -138,6 +141,6 @@ class AttentionMonitor:
         return cls(probe_batch(tokens, batch, seq_len))
 
     def measure(self, model: nn.Module, step: int) -> dict[str, object]:
-        snap = snapshot(model, self.x, prev=self._prev, steps=step - self._prev_step)
+        snap = snapshot(model, self.x, prev=self._prev, steps=step - self._prev_step, consume=True)
         self._prev, self._prev_step = snap, step
         return summarise(snap.heads, snap.sink, self.x.shape[1])

@@ -142,9 +142,11 @@ def _length_axis(ax, lengths: list[int], train_len: int | None) -> None:
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.minorticks_off()
     ax.set_xlabel("context length N")
+    lo, hi = min(lengths + [train_len or lengths[0]]) / 1.3, max(lengths + [train_len or 0]) * 1.3
+    ax.set_xlim(lo, hi)
     if train_len:
         ax.axvline(train_len, color="black", ls="--", lw=0.8, label=f"training length T={train_len}")
-        ax.axvspan(train_len, max(lengths + [train_len]) * 1.2, color="gray", alpha=0.08)
+        ax.axvspan(train_len, hi, color="gray", alpha=0.08)  # extrapolation
 
 
 def plot_retrieval(rt: dict[str, Any], title: str, path: Path, runs: dict[str, dict[str, Any]] | None = None) -> Path:
@@ -161,8 +163,9 @@ def plot_retrieval(rt: dict[str, Any], title: str, path: Path, runs: dict[str, d
         hd = res["head"]
         lab = (label + " " if label else "") + f"head L{hd['layer']}.H{hd['head']}"
         for ax, key in zip(axes[:3], ("mass", "log_contrast", "rank"), strict=True):
-            ax.errorbar(n, [r[key] for r in rows], yerr=[r[key + "_std"] for r in rows], marker="o", capsize=3,
-                        label=lab)
+            y, sd = np.asarray([r[key] for r in rows]), np.asarray([r[key + "_std"] for r in rows])
+            low = np.minimum(sd, y - 1.0) if key == "rank" else sd  # ranks stay >= 1 (log axis)
+            ax.errorbar(n, y, yerr=[low, sd], marker="o", capsize=3, label=lab)
         axes[3].plot(n, [r["accuracy"] for r in rows], marker="o", label=lab)
     base = sorted(rt["lengths"], key=lambda r: r["length"])
     axes[0].plot([r["length"] for r in base], [r["uniform_mass"] for r in base], "k:", label="uniform attention")

@@ -178,7 +178,7 @@ def run_probe(path: str | Path, out: str | Path | None = None, opts: ProbeOption
     if opts.evidence:
         pool = seen_pool(data.train_tokens(), cfg.model.vocab_size, (data.eot_id,))
         batch = max(1, min(opts.batch or 4, 4))
-        result["retrieval"] = retrieval_test(model, val, pool, probe_lengths(T, opts.max_mult, 8 * N_PAIRS + 4),
+        result["retrieval"] = retrieval_test(model, val, pool, probe_lengths(T, opts.max_mult, 2 * (2 * N_PAIRS + 1)),
                                              T, DEPTHS, n_samples=opts.samples, batch=batch, seed=0)
         result["induction"] = evidence_contrast(model, val, probe_lengths(T, opts.max_mult, 4 * opts.seg_len),
                                                 DEPTHS, seg_len=opts.seg_len, n_samples=opts.samples, batch=batch,

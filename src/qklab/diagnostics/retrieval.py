@@ -94,8 +94,8 @@ def retrieval_test(model: nn.Module, text: np.ndarray, pool: np.ndarray, lengths
     need = 2 * n_pairs + 1
     ok, skipped = [], []
     for n in lengths:
-        if n < 4 * need or n - need > len(text):
-            skipped.append({"length": n, "reason": f"needs N >= {4 * need} and {n - need} held-out tokens "
+        if n < 2 * need or n - need > len(text):
+            skipped.append({"length": n, "reason": f"needs N >= {2 * need} and {n - need} held-out tokens "
                                                    f"(have {len(text)})"})
         else:
             ok.append(n)

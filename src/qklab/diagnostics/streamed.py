@@ -14,7 +14,7 @@ from torch import nn
 
 from qklab.diagnostics.capture import logit_rows, per_query_head, row_chunk
 
-CHUNK_ELEMENTS = 1 << 21  # logits per query chunk (8 MB in fp32); a chunk holds at least one row
+CHUNK_ELEMENTS = 1 << 18  # logits per query chunk (1 MB in fp32); a chunk holds at least one row
 
 
 def _causal_rows(r0: int, r1: int, T: int, device: torch.device) -> torch.Tensor:
