@@ -164,7 +164,8 @@ def plot_retrieval(rt: dict[str, Any], title: str, path: Path, runs: dict[str, d
         lab = (label + " " if label else "") + f"head L{hd['layer']}.H{hd['head']}"
         for ax, key in zip(axes[:3], ("mass", "log_contrast", "rank"), strict=True):
             y, sd = np.asarray([r[key] for r in rows]), np.asarray([r[key + "_std"] for r in rows])
-            low = np.minimum(sd, y - 1.0) if key == "rank" else sd  # ranks stay >= 1 (log axis)
+            floor = {"rank": 1.0, "mass": 0.0}.get(key)  # ranks stay >= 1 (log axis), masses >= 0
+            low = sd if floor is None else np.minimum(sd, y - floor)
             ax.errorbar(n, y, yerr=[low, sd], marker="o", capsize=3, label=lab)
         axes[3].plot(n, [r["accuracy"] for r in rows], marker="o", label=lab)
     base = sorted(rt["lengths"], key=lambda r: r["length"])
