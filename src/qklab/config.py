@@ -140,6 +140,7 @@ class TrainConfig:
     diag_batch: int = 4  # sequences (of seq_len tokens) in the diagnostics probe batch
     nonfinite: str = "stop"  # non-finite loss or gradient: stop (end the run) | skip (do not apply the step)
     skip_limit: float = 0.1  # nonfinite=skip: a run that skips more than this share of its steps fails (exit 1)
+    parallel: str = "none"  # none | ddp | fsdp: data parallel over the processes torchrun starts (qklab.dist)
 
 
 @dataclass
@@ -198,6 +199,7 @@ class RunConfig:
                f"train.trackers={t.trackers}: use a list of distinct names from tensorboard, wandb")
         _check(t.data_seed >= -1, f"train.data_seed={t.data_seed}: use -1 (follow train.seed) or a seed >= 0")
         _check(t.nonfinite in ("stop", "skip"), f"train.nonfinite='{t.nonfinite}': use stop or skip")
+        _check(t.parallel in ("none", "ddp", "fsdp"), f"train.parallel='{t.parallel}': use none, ddp or fsdp")
         try:
             self.data.validate()
         except DataError as e:
@@ -292,6 +294,7 @@ RESUMABLE = frozenset({
     "train.eval_batches", "train.ckpt_every", "train.keep_ckpts", "train.progress", "train.threads",
     "train.device", "train.compile", "train.diag_every", "train.diag_batch", "train.nonfinite",
     "train.skip_limit", "train.lr", "train.grad_clip", "data.cache_dir", "train.trackers",
+    "train.parallel",  # the same global batch on another number of processes continues the same run
 })
 
 

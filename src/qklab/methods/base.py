@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -156,6 +157,10 @@ class QKController:
 
     name = "none"
     Options: type = NoOptions
+    # reduce(t, op) all-reduces t in place over the data-parallel ranks (op "sum" or "max") and returns
+    # it; None in one process. A controller whose inputs differ between ranks (QK-clip's max logits,
+    # norms of sharded weights) reduces them so that every rank computes the same thing.
+    reduce: Callable[[torch.Tensor, str], torch.Tensor] | None = None
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, opts: Any) -> None:
         self.model = model

@@ -73,17 +73,20 @@ class QKClip(QKController):
 
     @torch.no_grad()
     def after_step(self, step: int) -> None:
-        clipped, smax_all, gmin = 0, [], 1.0
-        for a in self.attns:
-            s_max = a.pop_max_logit()  # (H,)
+        """Clip every head above tau_clip. The per-head max logits of all layers go through ``reduce``
+        (MAX over the data-parallel ranks) as one packed tensor; no value is read on the host here
+        (heads at or below tau get g = 1, which leaves their weights bit for bit)."""
+        s_all = [a.pop_max_logit() for a in self.attns]  # per layer (H,)
+        packed = torch.cat([s.to(s_all[0].device) for s in s_all])  # (sum of H,)
+        if self.reduce is not None:
+            packed = self.reduce(packed, "max")
+        gs = []
+        for a, s_max in zip(self.attns, packed.split([len(s) for s in s_all]), strict=True):
             g = self.gains(s_max, a.qk)
-            smax_all.append(s_max.max().item())
-            if (g < 1).any():
-                if not a.qk.clip_logits(g):
-                    self.rescale(a, g, self.opts)
-                clipped += int((g < 1).sum())
-                gmin = min(gmin, g.min().item())
-        self.last = {"qkclip_heads_clipped": clipped, "qkclip_min_gain": gmin, "qkclip_smax": max(smax_all)}
+            if not a.qk.clip_logits(g):
+                self.rescale(a, g, self.opts)
+            gs.append(g)
+        self.last = {"g": torch.cat(gs), "smax": packed}  # read on the host only by metrics()
 
     def skip_step(self, step: int) -> None:
         for a in self.attns:  # a dropped step's logits must not decide the next clip
@@ -114,4 +117,8 @@ class QKClip(QKController):
             scale("wq", g.sqrt())
 
     def metrics(self) -> dict[str, Any]:
-        return dict(self.last)
+        if not self.last:
+            return {}
+        g, smax = self.last["g"], self.last["smax"]
+        return {"qkclip_heads_clipped": int((g < 1).sum()), "qkclip_min_gain": min(1.0, g.min().item()),
+                "qkclip_smax": smax.max().item()}

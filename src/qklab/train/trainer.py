@@ -24,6 +24,7 @@ from qklab.data import DataError, PreparedData, TokenLoader, prepare_data
 from qklab.data.retrieval import train_loader
 from qklab.diagnostics.monitor import AttentionMonitor
 from qklab.diagnostics.stability import NonFiniteError, SpikeDetector
+from qklab.dist import DistContext, RankSlice, wrap_ddp
 from qklab.methods import CONTROLLERS
 from qklab.model import GPT
 from qklab.train.checkpoint import (
@@ -101,9 +102,26 @@ class Trainer:
         self.cfg, self.log = cfg, log
         self.run_dir = Path(cfg.train.out_dir) / run_name(cfg)
         self.ckpt_dir = self.run_dir / "ckpt"
-        self.folder = RunFolder(self.run_dir, overwrite=overwrite and not resume)  # locked: one writer at a time
+        self.dist = DistContext.start(cfg.train.parallel, cfg.train.device)  # rank 0 alone writes and logs
+        if not self.dist.is_main:
+            self.log = lambda msg: None
+        try:  # locked: one writer at a time
+            self.folder = RunFolder(self.run_dir, overwrite=overwrite and not resume) if self.dist.is_main \
+                else _Follower()
+        except BaseException as e:
+            self.dist.agree(e)
+            raise
+        self.dist.agree(None)
+        failed: BaseException | None = None
         try:
             self._build(resume, overwrite, data)
+        except BaseException as e:
+            failed = e
+        try:
+            self.dist.agree(failed)  # the others stop too when one rank failed to build
+            if failed is not None:
+                raise failed
+            self.wrap()
         except BaseException as e:
             if isinstance(e, Exception) and not isinstance(e, USER_ERRORS):  # a bug: keep its story in the log
                 self._say(f"failed to start: {type(e).__name__}: {e}\n{traceback.format_exc()}", echo=False)
@@ -111,19 +129,21 @@ class Trainer:
                 self.folder.release()
             else:  # nothing half-made stays behind: the lock goes, a folder made just now too
                 self.folder.abandon()
+            self.dist.close()
             raise
 
     def _build(self, resume: bool, overwrite: bool, data: PreparedData | None) -> None:
         cfg, log, t = self.cfg, self.log, self.cfg.train
         if t.threads:
             torch.set_num_threads(t.threads)
-        self.device = pick_device(t.device)
-        remove_stale_temps(self.ckpt_dir)  # left by a killed writer or a full disk; frees the space first
+        self.device = self.dist.device(pick_device(t.device))
+        if self.dist.is_main:
+            remove_stale_temps(self.ckpt_dir)  # left by a killed writer or a full disk; frees the space first
         found = newest_usable(self.ckpt_dir, warn=self._say) if resume else None
         if resume and found is None:
             raise ConfigError(f"--resume: no usable checkpoint in {self.ckpt_dir}; start the run without --resume")
         if found is not None:
-            self._check_resume_config(found[1].get("config") or {})
+            self._check_resume_config(found[1].get("config") or {}, found[1].get("world", 1))
         if not resume and not overwrite and complete_checkpoints(self.ckpt_dir):
             raise ConfigError(f"run folder {self.run_dir} already has checkpoints; pass --resume to continue "
                               "it, --overwrite to start again, or set train.name")
@@ -138,13 +158,18 @@ class Trainer:
         self.model = GPT(cfg.model, cfg.qk).to(self.device)
         self.optimizers = build_optimizer(self.model, t)
         self.controller = CONTROLLERS[cfg.qk.controller](self.model, self.optimizers, cfg.qk.opts(cfg.qk.controller))
+        self.controller.reduce = self.dist.reduce if self.dist.active else None  # e.g. QK-clip's max over ranks
         data_seed = t.seed if t.data_seed < 0 else t.data_seed  # a study fixes it: same tokens in every cell
-        self.loader = train_loader(self.data, t.batch_size, t.seq_len, data_seed, cfg.data.retrieval)
+        world = self.dist.world  # every rank draws the global micro-batch and keeps its own rows
+        self.loader = train_loader(self.data, t.batch_size * world, t.seq_len, data_seed, cfg.data.retrieval)
+        if self.dist.active:
+            self.loader = RankSlice(self.loader, self.dist)
         # val_loss: the selection part of the held-out text; report_loss (final step only): the report part
         self.val_batches = TokenLoader.eval_batches(self.data.select_tokens(), t.batch_size, t.seq_len,
                                                     t.eval_batches, name="selection (held-out)")
         self.report_batches = TokenLoader.eval_batches(self.data.report_tokens(), t.batch_size, t.seq_len,
                                                        t.eval_batches, name="report (held-out)")
+        self.wrapped = self.model  # what the train step calls: the model, or its DDP wrapper (set in wrap())
         self.fwd = torch.compile(self.model) if t.compile else self.model
         self.monitor = (AttentionMonitor.from_tokens(self.data.val_tokens(), t.diag_batch, t.seq_len)
                         if t.diag_every else None)  # attention diagnostics; None: off
@@ -155,10 +180,19 @@ class Trainer:
             self._say(f"resumed {self.run_dir} at step {self.step} from {found[0].name}")
         elif overwrite:
             self.folder.clear()  # only now: a run that fails to start leaves the old one intact
+        if not self.dist.is_main:
+            self.metrics = _NoMetrics()
+            return
         self._write_config()
         trackers = build_trackers(t.trackers, self.run_dir, cfg.to_dict()) if t.trackers else []
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", truncate_after=self.step if resume else -1,
                                   trackers=trackers)
+
+    def wrap(self) -> None:
+        """Data parallel wrapping (a collective: every rank calls it once the build agreed)."""
+        if self.dist.parallel == "ddp" and self.dist.active:
+            self.wrapped = wrap_ddp(self.model, self.dist, self.device)
+            self.fwd = torch.compile(self.wrapped) if self.cfg.train.compile else self.wrapped
 
     # ------------------------------------------------------------------------------------------------
     def autocast(self):
@@ -173,6 +207,8 @@ class Trainer:
 
     def _say(self, msg: str, echo: bool = True) -> None:
         """A message for the user (``echo``), kept in the run's log (train.log) either way."""
+        if not self.dist.is_main:
+            return
         if echo:
             self.log(msg)
         with contextlib.suppress(OSError), open(self.run_dir / "train.log", "a") as f:
@@ -183,6 +219,7 @@ class Trainer:
         if hasattr(self, "metrics"):
             self.metrics.close()
         self.folder.release()
+        self.dist.close()
 
     def _state(self) -> dict[str, Any]:
         return {"optimizers": [o.state_dict() for o in self.optimizers],
@@ -190,10 +227,14 @@ class Trainer:
                 "loader": self.loader.state_dict(),
                 "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
                         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-                "spikes": self.spikes.state_dict(), "skipped": self.skipped, "config": comparable(self.cfg)}
+                "spikes": self.spikes.state_dict(), "skipped": self.skipped, "config": comparable(self.cfg),
+                "world": self.dist.world}
 
-    def _check_resume_config(self, saved: dict[str, Any]) -> None:
+    def _check_resume_config(self, saved: dict[str, Any], saved_world: int = 1) -> None:
         now = comparable(self.cfg)
+        b_saved = saved.get("train", {}).get("batch_size")
+        if b_saved is not None and b_saved * saved_world == now["train"]["batch_size"] * self.dist.world:
+            now["train"]["batch_size"] = b_saved  # the same global batch on another number of processes
         if now["model"]["vocab_size"] == 0:  # not filled in from the tokenizer yet; checked against it later
             now["model"]["vocab_size"] = saved.get("model", {}).get("vocab_size", 0)
         changes = resume_changes(saved, now)
@@ -221,7 +262,16 @@ class Trainer:
             self.metrics.log(self.step, event="nonfinite_weights")
             raise NonFiniteError(f"weights are non-finite at step {self.step}; no checkpoint written, the last good "
                                  f"one is {latest_checkpoint(self.ckpt_dir) or 'none'}")
-        path = save_checkpoint(self.ckpt_dir, self.step, self.model, self._state(), keep=self.cfg.train.keep_ckpts)
+        path, failed = self.ckpt_dir / f"step_{self.step:07d}", None
+        if self.dist.is_main:  # DDP: the weights and optimizer state are the same on every rank
+            try:
+                path = save_checkpoint(self.ckpt_dir, self.step, self.model, self._state(),
+                                       keep=self.cfg.train.keep_ckpts)
+            except BaseException as e:
+                failed = e
+        self.dist.agree(failed)  # every rank stops when the write failed (e.g. a full disk)
+        if failed is not None:
+            raise failed
         self._saved_at = self.step
         return path
 
@@ -231,15 +281,16 @@ class Trainer:
         t = self.cfg.train
         set_lr(self.optimizers, lr_mult(self.step, t))
         total = 0.0
-        for _ in range(t.grad_accum):
+        for i in range(t.grad_accum):
             x, y = self.loader.next_batch()
-            with self.autocast():
-                _, loss = self.fwd(x.to(self.device), y.to(self.device))
-            (loss / t.grad_accum).backward()
+            with self._accumulating(i < t.grad_accum - 1):
+                with self.autocast():
+                    _, loss = self.fwd(x.to(self.device), y.to(self.device))
+                (loss / t.grad_accum).backward()
             total += loss.item()
         params = [p for p in self.model.parameters() if p.grad is not None]
         gnorm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
-        loss, gn = total / t.grad_accum, gnorm.item()
+        loss, gn = self.dist.mean(total / t.grad_accum), gnorm.item()  # every rank decides on the same loss
         if math.isfinite(loss) and math.isfinite(gn):
             self.controller.before_step(self.step)
             for opt in self.optimizers:
@@ -253,6 +304,12 @@ class Trainer:
             opt.zero_grad(set_to_none=True)
         self.step += 1
         return loss, gn
+
+    def _accumulating(self, more: bool):
+        """DDP: no gradient all-reduce on the micro-batches before the last of a step."""
+        if more and self.wrapped is not self.model and hasattr(self.wrapped, "no_sync"):
+            return self.wrapped.no_sync()
+        return contextlib.nullcontext()
 
     def _nonfinite(self, loss: float, gnorm: float) -> None:
         what = "loss" if not math.isfinite(loss) else "gradient"
@@ -274,7 +331,7 @@ class Trainer:
 
     def run(self) -> TrainResult:
         t = self.cfg.train
-        tokens_per_step = t.batch_size * t.seq_len * t.grad_accum
+        tokens_per_step = t.batch_size * self.dist.world * t.seq_len * t.grad_accum  # the global batch
         bar = tqdm(total=t.steps, initial=self.step, desc=self.run_dir.name, disable=not t.progress,
                    dynamic_ncols=True, leave=True)
         last = {}
@@ -314,8 +371,8 @@ class Trainer:
                     self.metrics.log(self.step, **rec)
                 if (t.ckpt_every and self.step % t.ckpt_every == 0) or self.step == t.steps:
                     self.save()
-                if stop.received is not None:
-                    self._stop_on_signal(stop.name, stop.received)
+                if self.dist.any(stop.received is not None):  # all ranks stop at the same step
+                    self._stop_on_signal(stop.name or "SIGTERM", stop.received or 15)
         except Exception as e:  # the whole story goes to the run's log; the CLI prints one line or the traceback
             trace = "" if isinstance(e, USER_ERRORS) else "\n" + traceback.format_exc()
             self._say(f"ended at step {self.step}: {type(e).__name__}: {e}{trace}", echo=False)
@@ -344,3 +401,26 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+class _Follower:
+    """The run folder as a rank other than 0 sees it: rank 0 holds the lock and writes every file."""
+
+    def release(self) -> None:
+        pass
+
+    def abandon(self) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
+
+
+class _NoMetrics:
+    """Metrics of a rank other than 0: rank 0 writes the one metrics.jsonl."""
+
+    def log(self, step: int, **record: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,111 @@
+"""Process groups: who am I, how many of us, and the few collectives the trainer and controllers need.
+
+``torchrun`` (or any launcher that sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
+``MASTER_PORT``) starts one process per device; ``DistContext.start`` joins them into the default process
+group (gloo on CPU, NCCL on CUDA). Without those variables, or with ``train.parallel=none``, the context is
+a single process and every collective is the identity, so the same code runs in one process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as tdist
+
+from qklab.config import ConfigError
+
+_OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
+
+
+def launched() -> bool:
+    """True when a launcher (torchrun) started this process as one of several."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    parallel: str = "none"  # none | ddp | fsdp
+    owns_group: bool = False  # True: this context started the process group and ends it in close()
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one process that writes logs, metrics, progress and checkpoints."""
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    @classmethod
+    def start(cls, parallel: str, device_spec: str = "auto", timeout_s: float = 1800.0) -> DistContext:
+        """Join the processes torchrun started (``parallel`` ddp or fsdp), or a single-process context.
+
+        A mismatch (parallel set without a launcher, or a launcher without parallel) is the user's to fix."""
+        if parallel == "none":
+            if launched():
+                raise ConfigError(f"started by a launcher with WORLD_SIZE={os.environ['WORLD_SIZE']} but "
+                                  "train.parallel=none; set train.parallel=ddp or fsdp")
+            return cls()
+        if not launched():
+            return cls(parallel=parallel)  # one process: data parallel over one rank is plain training
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        cuda = device_spec != "cpu" and torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(local)
+        owns = not tdist.is_initialized()
+        if owns:
+            tdist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+        return cls(rank, world, local, parallel, owns)
+
+    def device(self, picked: torch.device) -> torch.device:
+        """This rank's device: cuda:LOCAL_RANK when ``picked`` is CUDA, else ``picked``."""
+        if picked.type == "cuda" and self.active:
+            return torch.device("cuda", self.local_rank)
+        return picked
+
+    # collectives: identities in one process ---------------------------------------------------------
+    def reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """All-reduce ``t`` in place (op sum, max or min) over every rank and return it."""
+        if self.active:
+            tdist.all_reduce(t, op=_OPS[op])
+        return t
+
+    def mean(self, value: float) -> float:
+        """The mean of a Python float over the ranks (one collective)."""
+        if not self.active:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self._comm_device())
+        return float(self.reduce(t).item()) / self.world
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is True on any (e.g. a signal received by one process)."""
+        if not self.active:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self._comm_device())
+        return bool(self.reduce(t, "max").item() > 0)
+
+    def agree(self, error: BaseException | None) -> None:
+        """A step every rank takes together: when some rank failed (``error``), the others stop too, with
+        one line pointing at the rank that says what went wrong."""
+        if self.any(error is not None) and error is None:
+            raise ConfigError("another process of this run failed to start; its message is above (rank 0 "
+                              "prints it, or the launcher's log of the failing rank)")
+
+    def barrier(self) -> None:
+        if self.active:
+            tdist.barrier()
+
+    def _comm_device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if tdist.get_backend() == "nccl" else torch.device("cpu")
+
+    def close(self) -> None:
+        if self.owns_group and tdist.is_initialized():
+            tdist.destroy_process_group()
+            self.owns_group = False

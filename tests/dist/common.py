@@ -1,0 +1,81 @@
+"""Two-process gloo runs on CPU for the data-parallel tests: spawn, run a list of training cases on
+every rank, and compare with one process at the same global batch."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+
+from qklab.config import load_config
+from qklab.train.metrics import read_metrics
+from qklab.train.trainer import Trainer
+
+STEPS = 6
+# per-rank batch 4 on 2 ranks = one process at batch 8 (the tiny preset's)
+BASE = ["train.steps=6", "train.log_every=1", "train.eval_every=100", "train.diag_every=0", "train.ckpt_every=0",
+        "train.progress=false", "train.warmup_steps=2", "train.threads=1", "model.n_layers=2",
+        "qk.qkclip.tau_clip=2.0"]
+
+
+def cfg(tmp: Path, name: str, extra: list[str], batch: int = 8):
+    return load_config("tiny", [*BASE, f"train.out_dir='{tmp / 'runs'}'", f"data.cache_dir='{tmp / 'cache'}'",
+                                f"train.name={name}", f"train.batch_size={batch}", *extra])
+
+
+def losses(tmp: Path, name: str) -> list[float]:
+    recs = read_metrics(tmp / "runs" / name / "metrics.jsonl")
+    return [r["loss"] for r in recs if "loss" in r]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tmp: str, jobs: list) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=180))
+    try:
+        for job in jobs:
+            job(Path(tmp), rank)
+    finally:
+        tdist.destroy_process_group()
+
+
+def spawn(tmp: Path, jobs: list, world: int = 2) -> None:
+    """Run each ``job(tmp, rank)`` (picklable callables) in order on ``world`` gloo processes."""
+    mp.spawn(_worker, args=(world, free_port(), str(tmp), jobs), nprocs=world, join=True)
+
+
+class TrainJob:
+    """Train one case on every rank; each rank saves its final weights to <tmp>/<name>-rank<r>.pt."""
+
+    def __init__(self, name: str, extra: list[str], batch: int = 4, resume: bool = False) -> None:
+        self.name, self.extra, self.batch, self.resume = name, extra, batch, resume
+
+    def __call__(self, tmp: Path, rank: int) -> None:
+        t = Trainer(cfg(tmp, self.name, self.extra, self.batch), resume=self.resume, log=lambda s: None)
+        t.run()
+        torch.save(t.model.state_dict(), tmp / f"{self.name}-rank{rank}.pt")
+
+
+def single(tmp: Path, name: str, extra: list[str], batch: int = 8, resume: bool = False) -> dict:
+    """One process (train.parallel=none) at the given batch; returns its final weights."""
+    t = Trainer(cfg(tmp, name, extra, batch), resume=resume, log=lambda s: None)
+    t.run()
+    return t.model.state_dict()
+
+
+def assert_close_curves(a: list[float], b: list[float], rtol: float = 1e-5) -> None:
+    assert len(a) == len(b) and a, (a, b)
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert abs(x - y) <= rtol * abs(x), f"step {i + 1}: {x} vs {y}"
