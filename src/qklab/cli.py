@@ -25,6 +25,8 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.set)
     res = Trainer(cfg, resume=args.resume, overwrite=args.overwrite).run()
+    if not res.main:  # under torchrun, rank 0 reports for the run
+        return 0
     print(f"done: {res.run_dir}  val_loss {res.final_val_loss:.4f}  max_logit {res.max_logit:.2f}  "
           f"{res.tokens_per_s:,.0f} tok/s  skipped {res.skipped} of {res.steps} steps")
     if res.skipped > cfg.train.skip_limit * res.steps:

@@ -79,3 +79,17 @@ def assert_close_curves(a: list[float], b: list[float], rtol: float = 1e-5) -> N
     assert len(a) == len(b) and a, (a, b)
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         assert abs(x - y) <= rtol * abs(x), f"step {i + 1}: {x} vs {y}"
+
+
+class CopyRun:
+    """Rank 0 copies run folder ``src`` to ``dst`` (a second run to resume elsewhere); all ranks wait."""
+
+    def __init__(self, src: str, dst: str) -> None:
+        self.src, self.dst = src, dst
+
+    def __call__(self, tmp: Path, rank: int) -> None:
+        import shutil
+
+        if rank == 0:
+            shutil.copytree(tmp / "runs" / self.src, tmp / "runs" / self.dst, ignore=shutil.ignore_patterns(".lock"))
+        tdist.barrier()

@@ -41,4 +41,4 @@ def wrap_ddp(model: nn.Module, ctx: DistContext, device: torch.device) -> nn.Mod
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+    return DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)  # buffers: RoPE tables

@@ -94,6 +94,7 @@ class TrainResult:
     tokens_per_s: float
     steps: int
     skipped: int = 0  # steps dropped under train.nonfinite=skip
+    main: bool = True  # False on data-parallel ranks other than 0 (which write nothing)
 
 
 class Trainer:
@@ -332,7 +333,7 @@ class Trainer:
     def run(self) -> TrainResult:
         t = self.cfg.train
         tokens_per_step = t.batch_size * self.dist.world * t.seq_len * t.grad_accum  # the global batch
-        bar = tqdm(total=t.steps, initial=self.step, desc=self.run_dir.name, disable=not t.progress,
+        bar = tqdm(total=t.steps, initial=self.step, desc=self.run_dir.name, disable=not (t.progress and self.dist.is_main),
                    dynamic_ncols=True, leave=True)
         last = {}
         tps_hist: list[float] = []
@@ -354,7 +355,8 @@ class Trainer:
                 spike = self.spikes.update(loss)
                 if spike is not None:
                     self.metrics.log(self.step, event="loss_spike", **spike)
-                    bar.write(f"step {self.step}: loss spike {loss:.3f}, {spike['sigmas']:.1f} sigma above the window")
+                    self._note(bar, f"step {self.step}: loss spike {loss:.3f}, {spike['sigmas']:.1f} sigma above "
+                                    "the window")
                 rec: dict[str, Any] = {}
                 if self.step % t.log_every == 0 or self.step == t.steps:
                     rec.update(loss=loss, grad_norm=gnorm, lr=self.optimizers[0].param_groups[0]["lr"],
@@ -364,7 +366,7 @@ class Trainer:
                     rec.update(last)
                     if self.step == t.steps:  # the report split is read once, at the end
                         rec["report_loss"] = eval_loss(self.model, self.report_batches, self.device, self.autocast)
-                    bar.write(f"step {self.step}: val_loss {last['val_loss']:.4f}  max_logit {last['max_logit']:.2f}")
+                    self._note(bar, f"step {self.step}: val_loss {last['val_loss']:.4f}  max_logit {last['max_logit']:.2f}")
                 if self.monitor is not None and (self.step % t.diag_every == 0 or self.step == t.steps):
                     rec["diag"] = self.monitor.measure(self.model, self.step)
                 if rec:
@@ -388,7 +390,11 @@ class Trainer:
         self._say(f"done at step {self.step}: val_loss {last['val_loss']:.4f}, skipped {self.skipped} steps",
                   echo=False)
         return TrainResult(self.run_dir, last["val_loss"], last["max_logit"], float(np.median(steady)), self.step,
-                           self.skipped)
+                           self.skipped, self.dist.is_main)
+
+    def _note(self, bar, msg: str) -> None:
+        if self.dist.is_main:  # rank 0 speaks for the run
+            bar.write(msg)
 
     def _stop_on_signal(self, name: str, signum: int) -> None:
         path = self.save() if self._saved_at != self.step else self.ckpt_dir / f"step_{self.step:07d}"

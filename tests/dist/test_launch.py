@@ -1,0 +1,50 @@
+"""``torchrun -m qklab train`` with train.parallel=ddp: rank 0 alone reports and writes; launcher and
+config that do not fit stop with one line and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.dist.common import free_port
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _args(tmp: Path, *extra: str) -> list[str]:
+    sets = ["train.steps=3", "train.batch_size=4", "train.progress=false", "train.diag_every=0", "train.name=cli",
+            f"train.out_dir='{tmp / 'runs'}'", f"data.cache_dir='{tmp / 'cache'}'", *extra]
+    return ["-m", "qklab", "train", "--config", "tiny", *[a for s in sets for a in ("--set", s)]]
+
+
+def test_torchrun_ddp_cli(tmp_path):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           *_args(tmp_path, "train.parallel=ddp")]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.count("done: ") == 1  # rank 0 reports, once
+    run = tmp_path / "runs" / "cli"
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps))  # one writer: no step logged twice
+    assert (run / "ckpt" / "step_0000003" / "manifest.json").is_file()
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["train"]["parallel"] == "ddp"
+
+
+def test_launcher_without_parallel_is_one_line(tmp_path):
+    env = {**ENV, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    p = subprocess.run([sys.executable, *_args(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [
+        "qklab: error: started by a launcher with WORLD_SIZE=2 but train.parallel=none; set train.parallel=ddp or fsdp"]
+
+
+def test_bad_parallel_value_is_one_line(tmp_path):
+    p = subprocess.run([sys.executable, *_args(tmp_path, "train.parallel=zero")], capture_output=True, text=True,
+                       env=ENV, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip() == "qklab: error: train.parallel='zero': use none, ddp or fsdp"
