@@ -78,7 +78,7 @@ def partner_factors(attn, norm: str = "fro", gains: dict[str, torch.Tensor] | No
         H, Hkv = mats["wq"].n_heads, mats["wk"].n_heads
         return {"wq": 1.0 / n["wk"].repeat_interleave(H // Hkv),
                 "wk": 1.0 / n["wq"].view(Hkv, -1).amax(dim=1)}
-    one = torch.ones(1)
+    one = torch.ones(1, device=n["wdkv"].device)  # no query latent: ||W_dq|| = 1, on the weights' device
     dq, dkv, kr = n.get("wdq", one), n["wdkv"], n["wkr"]
     uq, uk, qr = n["wuq"], n["wuk"], n["wqr"]  # (H,)
     out = {"wuq": 1.0 / (dq * uk * dkv), "wuk": 1.0 / (uq * dq * dkv), "wqr": 1.0 / (dq * kr).expand_as(qr),

@@ -186,7 +186,7 @@ def read_state(path: Path) -> dict[str, Any]:
     if problem is not None:
         raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
     try:
-        state = torch.load(path / FILES[1], weights_only=False)
+        state = torch.load(path / FILES[1], weights_only=False, map_location="cpu")  # a GPU run's, anywhere
     except Exception as e:  # unpickling a damaged legacy file can raise nearly anything
         raise CheckpointError(f"checkpoint {path} is damaged: state.pt does not load ({type(e).__name__})") from None
     if not isinstance(state, dict) or "step" not in state:
