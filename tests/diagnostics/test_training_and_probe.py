@@ -132,9 +132,23 @@ def test_probe_of_an_older_checkpoint_does_not_overwrite_the_latest(run, tmp_pat
 def test_compare_puts_runs_on_one_scale(run, tmp_path, capsys):
     assert main(["probe", "--compare", str(run.run_dir), str(run.run_dir), "--out", str(tmp_path / "c"),
                  "--samples", "2", "--max-mult", "2"]) == 0
-    summary = json.loads((tmp_path / "c" / "compare.json").read_text())
+    summary = json.loads((tmp_path / "c" / "compare.json").read_text())["runs"]
     assert list(summary) == ["diag", "diag'"] and summary["diag"]["step"] == 20
     assert (tmp_path / "c" / "compare_heads.png").stat().st_size > 1000
+
+
+def test_compare_groups_seeds_with_their_spread(run, tmp_path, capsys):
+    import shutil
+
+    for seed in (0, 1):  # the same run under two seed names: a group of two with zero spread
+        shutil.copytree(run.run_dir, tmp_path / f"m-s{seed}", ignore=shutil.ignore_patterns("probes", "*.lock"))
+    assert main(["probe", "--compare", str(tmp_path / "m-s0"), str(tmp_path / "m-s1"), "--out",
+                 str(tmp_path / "c"), "--samples", "2", "--max-mult", "2"]) == 0
+    res = json.loads((tmp_path / "c" / "compare.json").read_text())
+    g = res["groups"]["m"]
+    assert g["n"] == 2 and g["evidence_mass"] == pytest.approx(res["runs"]["m-s0"]["evidence_mass"])
+    assert g["evidence_mass_seed_std"] == pytest.approx(0.0, abs=1e-12)
+    assert (tmp_path / "c" / "compare_seeds.png").stat().st_size > 1000
 
 
 @pytest.mark.parametrize("args, says", [

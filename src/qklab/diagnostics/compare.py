@@ -2,14 +2,20 @@
 
 Each run's latest probe result (``<run>/probes/<latest checkpoint>/probes.json``) is read, or measured
 first when missing; then one figure puts their per-head heatmaps on one colour scale per measurement,
-one overlays their retrieval tests, and ``compare.json`` holds each run's ``probe_summary``.
+one overlays their retrieval tests, and ``compare.json`` holds each run's ``probe_summary``. Runs whose
+names differ only in a ``-s<seed>`` suffix (the trainer's default names) form a group: the group's mean
+and std over seeds go into ``compare.json`` (``groups``) and ``compare_seeds.png`` (retrieval test vs N,
+error bars over seeds).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from qklab.diagnostics import plots
 from qklab.diagnostics.probe import ProbeError, ProbeOptions, default_out, resolve_target, run_probe
@@ -52,7 +58,13 @@ def compare_runs(paths: list[str], out: str | Path, opts: ProbeOptions | None = 
         first = next(iter(with_rt.values()))
         files.append(plots.plot_retrieval(first, "retrieval test", out_dir / "compare_retrieval.png", runs=with_rt))
     summary = {k: probe_summary(r) for k, r in results.items()}
-    (out_dir / "compare.json").write_text(json.dumps(summary, indent=1) + "\n")
+    groups = seed_groups(summary)
+    if groups:
+        by_group = {g: {k: results[k]["retrieval"] for k in members if k in with_rt} for g, members in groups.items()}
+        files.append(plots.plot_seeds({g: rt for g, rt in by_group.items() if len(rt) >= 2},
+                                      out_dir / "compare_seeds.png"))
+    (out_dir / "compare.json").write_text(json.dumps({"runs": summary, "groups": {
+        g: group_stats([summary[k] for k in members]) for g, members in groups.items()}}, indent=1) + "\n")
     keys = ("step", "max_logit", "first_token", "first_token_baseline", "sink_rate", "evidence_mass",
             "log_contrast", "retrieval_accuracy", "magnitude_js_a4")
     width = max(len(k) for k in summary)
@@ -60,7 +72,28 @@ def compare_runs(paths: list[str], out: str | Path, opts: ProbeOptions | None = 
     for label, s in summary.items():
         log(f"{label:<{width}} " + " ".join(f"{_cell(s[k]):>14}" for k in keys))
     log(f"wrote {out_dir / 'compare.json'} and {len(files)} plots")
-    return {"runs": summary, "files": [str(f) for f in files]}
+    return {"runs": summary, "groups": groups, "files": [str(f) for f in files]}
+
+
+def seed_groups(summary: dict[str, Any]) -> dict[str, list[str]]:
+    """{name without -s<seed>: [run labels]} for names that occur with at least two seeds."""
+    groups: dict[str, list[str]] = {}
+    for label in summary:
+        m = re.fullmatch(r"(.+)-s\d+", label)
+        if m:
+            groups.setdefault(m.group(1), []).append(label)
+    return {g: v for g, v in groups.items() if len(v) >= 2}
+
+
+def group_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean and std over seeds (population) of every numeric headline number; n = runs."""
+    out: dict[str, Any] = {"n": len(rows)}
+    for key in rows[0]:
+        vals = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+        if len(vals) == len(rows):
+            out[key] = float(np.mean(vals))
+            out[key + "_seed_std"] = float(np.std(vals))
+    return out
 
 
 def _cell(v: Any) -> str:

@@ -230,6 +230,29 @@ def plot_series(series: dict[str, dict[str, np.ndarray]], title: str, path: Path
     return _save(plt, fig, title, path)
 
 
+def plot_seeds(groups: dict[str, dict[str, dict[str, Any]]], path: Path) -> Path:
+    """Retrieval test vs N per group of seeds: mean over seeds, error bars the std over seeds."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    lengths, train_len = set(), None
+    for label, runs in groups.items():
+        per_run = [{r["length"]: r for r in rt["lengths"]} for rt in runs.values()]
+        common = sorted(set.intersection(*(set(p) for p in per_run)))
+        lengths |= set(common)
+        train_len = next(iter(runs.values())).get("train_seq_len")
+        for ax, key in zip(axes, ("mass", "log_contrast", "accuracy"), strict=True):
+            v = np.asarray([[p[n][key] for n in common] for p in per_run])  # (seeds, N)
+            ax.errorbar(common, v.mean(axis=0), yerr=v.std(axis=0), marker="o", capsize=3,
+                        label=f"{label} ({len(per_run)} seeds)")
+    for ax, lab in zip(axes, ("attention mass on the evidence", "log-contrast vs a control pair",
+                              "retrieval accuracy"), strict=True):
+        _length_axis(ax, sorted(lengths), train_len)
+        ax.set_ylabel(lab + " (mean, std over seeds)", fontsize=8)
+        ax.legend(fontsize=6)
+    axes[1].axhline(0.0, color="black", ls=":", lw=0.8)
+    return _save(plt, fig, "retrieval test over seeds", path)
+
+
 def plot_compare(results: dict[str, dict[str, Any]], path: Path, keys=("max_logit", "first_token", "entropy")) -> Path:
     """Several runs' per-head heatmaps, one row per run, one shared colour scale per measurement."""
     plt = _pyplot()
