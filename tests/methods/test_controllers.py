@@ -63,6 +63,19 @@ def test_quack_factor_is_one_at_init_and_matches_partner_norms(n_kv):
     torch.testing.assert_close(fk, torch.tensor(want_k), rtol=1e-5, atol=0)
 
 
+def _perturbed_quack_step(model, opts, ctrl):
+    """Move the partner norms, take one step: (layer-0 attention, its W_Q before, W_Q's gradient, the
+    W_Q factors of that step)."""
+    _perturb_norms(model)
+    a = model.blocks[0].attn
+    w0 = a.wq.weight.detach().clone()
+    _grads(model)
+    g = a.wq.weight.grad.clone()
+    fq = ctrl.factors()[0]["wq"]
+    _step(model, opts, ctrl)
+    return a, w0, g, fq
+
+
 def ControllerTau(ctrl, tau):  # noqa: N802 -- same controller, another tau
     ctrl.opts = QuacKOptions(tau=tau, norm=ctrl.opts.norm)
     return ctrl
@@ -82,13 +95,7 @@ def test_quack_adamw_update_equals_single_head_adamw():
     cfg = TrainConfig(lr=1e-2, weight_decay=0.1)
     (opt,) = build_optimizer(model, cfg)
     ctrl = QuacK(model, [opt], QuacKOptions(tau=0.7))
-    _perturb_norms(model)
-    a = model.blocks[0].attn
-    w0 = a.wq.weight.detach().clone()
-    _grads(model)
-    g = a.wq.weight.grad.clone()
-    fq = ctrl.factors()[0]["wq"]
-    _step(model, [opt], ctrl)
+    a, w0, g, fq = _perturbed_quack_step(model, [opt], ctrl)
     d = a.head_dim
     for h in range(a.n_heads):
         ref = torch.nn.Parameter(w0[h * d : (h + 1) * d].clone())
@@ -456,13 +463,7 @@ def test_quack_decay_at_base_rate(optimizer):
     lr, wd = (1e-2, 0.1) if optimizer == "adamw" else (0.02, 0.1)
     opts = build_optimizer(model, TrainConfig(optimizer=optimizer, lr=lr, weight_decay=wd))
     ctrl = QuacK(model, opts, QuacKOptions(tau=0.7, decay="base"))
-    _perturb_norms(model)
-    a = model.blocks[0].attn
-    w0 = a.wq.weight.detach().clone()
-    _grads(model)
-    g = a.wq.weight.grad.clone()
-    fq = ctrl.factors()[0]["wq"]
-    _step(model, opts, ctrl)
+    a, w0, g, fq = _perturbed_quack_step(model, opts, ctrl)
     d = a.head_dim
     for h in range(a.n_heads):
         f = fq[h].item()
