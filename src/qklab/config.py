@@ -319,10 +319,10 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def resume_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """``key old -> new`` for each key that differs and may not change on resume. Keys the saved config
-    lacks (added by a later version of qklab) are not compared."""
+    """``key old -> new`` for each key that differs and may not change on resume. Keys only one side has
+    (added or removed by another version of qklab) are not compared."""
     a, b = _flat(saved), _flat(now)
-    return [f"{k} {a[k]!r} -> {b.get(k)!r}" for k in sorted(a) if k not in RESUMABLE and a[k] != b.get(k)]
+    return [f"{k} {a[k]!r} -> {b[k]!r}" for k in sorted(a.keys() & b.keys()) if k not in RESUMABLE and a[k] != b[k]]
 
 
 # ---------------------------------------------------------------------------------------------------
