@@ -65,6 +65,15 @@ class TrainJob:
     def __call__(self, tmp: Path, rank: int) -> None:
         t = Trainer(cfg(tmp, self.name, self.extra, self.batch), resume=self.resume, log=lambda s: None)
         t.run()
+        if t.sharded:  # the full weights, gathered (rank 0 gets them)
+            from qklab.dist import full_state
+
+            weights = full_state(t.model, [])[0]
+            if rank == 0:
+                torch.save(weights, tmp / f"{self.name}-rank0.pt")
+            whole = {n: p.detach() for n, p in t.model.named_parameters() if not hasattr(p, "to_local")}
+            torch.save(whole, tmp / f"{self.name}-whole-rank{rank}.pt")  # kept whole on every rank
+            return
         torch.save(t.model.state_dict(), tmp / f"{self.name}-rank{rank}.pt")
 
 
@@ -93,3 +102,22 @@ class CopyRun:
         if rank == 0:
             shutil.copytree(tmp / "runs" / self.src, tmp / "runs" / self.dst, ignore=shutil.ignore_patterns(".lock"))
         tdist.barrier()
+
+
+def run_cases(tmp: Path, cases: dict[str, list[str]], parallel: str) -> dict[str, dict]:
+    """Each case in one process at batch 8 (its final weights returned) and on 2 ranks at batch 4."""
+    refs = {name: single(tmp, f"{name}-one", extra) for name, extra in cases.items()}
+    spawn(tmp, [TrainJob(f"{name}-{parallel}", [*extra, f"train.parallel={parallel}"]) for name, extra in cases.items()])
+    return refs
+
+
+def check_against_one(tmp: Path, refs: dict[str, dict], name: str, parallel: str) -> None:
+    """The 2-rank run's loss curve equals one process's to 1e-5 relative, and so do its final weights
+    (rank 0's, gathered under FSDP). torch's Muon orthogonalises in bf16 (torch/optim/_muon.py), which
+    turns fp32 rounding differences of the reduced gradient into bf16 ones in its weights: looser there."""
+    assert_close_curves(losses(tmp, f"{name}-one"), losses(tmp, f"{name}-{parallel}"))
+    saved = torch.load(tmp / f"{name}-{parallel}-rank0.pt")
+    assert saved.keys() == refs[name].keys()
+    atol = 2e-3 if "muon" in name else 1e-5
+    for k, w in saved.items():
+        torch.testing.assert_close(w, refs[name][k], rtol=1e-4, atol=atol, msg=f"{k} vs one process")

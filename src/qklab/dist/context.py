@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as tdist
@@ -32,6 +33,7 @@ class DistContext:
     local_rank: int = 0
     parallel: str = "none"  # none | ddp | fsdp
     owns_group: bool = False  # True: this context started the process group and ends it in close()
+    mesh: Any = None  # FSDP2: the 1-D device mesh of all ranks
 
     @property
     def is_main(self) -> bool:
@@ -62,7 +64,12 @@ class DistContext:
         owns = not tdist.is_initialized()
         if owns:
             tdist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
-        return cls(rank, world, local, parallel, owns)
+        ctx = cls(rank, world, local, parallel, owns)
+        if parallel == "fsdp":  # made now, while every rank is here (a collective)
+            from torch.distributed.device_mesh import init_device_mesh
+
+            ctx.mesh = init_device_mesh("cuda" if cuda else "cpu", (world,))
+        return ctx
 
     def device(self, picked: torch.device) -> torch.device:
         """This rank's device: cuda:LOCAL_RANK when ``picked`` is CUDA, else ``picked``."""

@@ -8,6 +8,11 @@ keeping the optimizer's step at lr and rescaling each head's slice of the change
     p_new[h] = p_old[h] + f_h * (p_stepped[h] - p_old[h])
 
 ``HeadScaledUpdate`` snapshots the matrices before ``optimizer.step()`` and rescales after it.
+
+Sharded matrices (FSDP2: a DTensor split by rows over the ranks) are handled on the rows this process
+holds: per-head sums of squares of the local rows (``HeadMatrix.head_sq``), added over the ranks by the
+controller's reduce function, give the exact per-head norms, and factors are applied row by row, so
+a head split between two ranks is treated as one head.
 """
 
 from __future__ import annotations
@@ -16,6 +21,27 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+
+def is_sharded(w: torch.Tensor) -> bool:
+    """A DTensor (e.g. an FSDP2 parameter): only some of its rows live in this process."""
+    return hasattr(w, "to_local")
+
+
+def local_rows(w: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(rows held here (r, C), index of the first): the whole matrix at 0 when it is not sharded; the
+    local shard of a DTensor split on dim 0 the way ``torch.chunk`` splits (FSDP2)."""
+    if not is_sharded(w):
+        return w, 0
+    local = w.to_local()
+    world, rank = w.device_mesh.size(), w.device_mesh.get_local_rank()
+    n = w.shape[0]
+    chunk = -(-n // world)
+    start = min(rank * chunk, n)
+    if local.shape[0] != min(chunk, n - start):
+        raise ValueError(f"a {tuple(w.shape)} matrix sharded as {w.placements} is not split by rows; "
+                         "QK controllers need row (dim 0) sharding")
+    return local, start
 
 
 @dataclass
@@ -44,6 +70,33 @@ class HeadMatrix:
         if kind == "spectral":
             return torch.linalg.matrix_norm(blocks, ord=2)
         return blocks.flatten(1).norm(dim=1)
+
+    def head_sq(self, gain: torch.Tensor | None = None) -> torch.Tensor:
+        """(n_heads,) sum of squares of each head's rows held here (times diag(gain)); summed over the
+        ranks it is the squared Frobenius norm of every head, whichever rows each rank holds."""
+        rows, start = local_rows(self.weight)
+        rows = rows.detach().float()  # (r, C)
+        if gain is not None:
+            rows = rows * gain.detach().float().to(rows.device)
+        per_head = self.weight.shape[0] // self.n_heads
+        head = (torch.arange(rows.shape[0], device=rows.device) + start) // per_head  # (r,)
+        return torch.zeros(self.n_heads, device=rows.device).index_add_(0, head, rows.pow(2).sum(dim=1))
+
+    def row_factor(self, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows held here (r, C), f (n_heads,) expanded to those rows (r, 1))."""
+        rows, start = local_rows(self.weight)
+        per_head = self.weight.shape[0] // self.n_heads
+        head = (torch.arange(rows.shape[0], device=rows.device) + start) // per_head
+        return rows, f.to(rows.device, rows.dtype)[head].view(-1, 1)
+
+    @torch.no_grad()
+    def scale_heads(self, f: torch.Tensor) -> None:
+        """Multiply head h's rows by f[h] (n_heads,), in place, on whatever rows this process holds."""
+        if not is_sharded(self.weight):
+            self.heads().mul_(f.to(self.weight.device).view(-1, 1, 1))
+            return
+        rows, fr = self.row_factor(f)
+        rows.mul_(fr)
 
 
 def attention_layers(model: nn.Module) -> list:
@@ -85,7 +138,7 @@ class HeadScaledUpdate:
 
     @torch.no_grad()
     def snapshot(self) -> None:
-        self._before = [m.weight.detach().clone() for m in self.mats]
+        self._before = [local_rows(m.weight)[0].detach().clone() for m in self.mats]
 
     @torch.no_grad()
     def apply(self, factors: list[torch.Tensor], decay: list[float] | None = None) -> None:
@@ -96,6 +149,13 @@ class HeadScaledUpdate:
         -lr wd p_old - lr u, so p_old + f (p_new - p_old) + (f - 1) lr wd p_old = p_old - lr wd p_old - f lr u."""
         assert self._before is not None, "snapshot() must run before the optimizer step"
         for i, (m, old, f) in enumerate(zip(self.mats, self._before, factors, strict=True)):
+            if is_sharded(m.weight):  # the rows held here, each with its head's factor
+                new, fr = m.row_factor(f)  # (r, C), (r, 1)
+                step = old + fr * (new - old)
+                if decay is not None and decay[i]:
+                    step = step + (fr - 1) * decay[i] * old
+                new.copy_(step)
+                continue
             new = m.heads()  # view into the parameter
             oldh = m.heads(old)
             f = f.to(new.device, new.dtype).view(-1, 1, 1)
@@ -110,6 +170,10 @@ def group_decay(optimizers: list[torch.optim.Optimizer], p: torch.Tensor) -> flo
     """lr * weight_decay of the optimizer group holding parameter p, or a view into one (0: none)."""
     for opt in optimizers:
         for g in opt.param_groups:
-            if any(q.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for q in g["params"]):
+            if any(q is p or _storage(q) == _storage(p) for q in g["params"]):
                 return float(g["lr"]) * float(g.get("weight_decay", 0.0))
     return 0.0
+
+
+def _storage(t: torch.Tensor) -> int:
+    return local_rows(t)[0].untyped_storage().data_ptr()

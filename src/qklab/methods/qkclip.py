@@ -101,7 +101,7 @@ class QKClip(QKController):
         mats = logit_matrices(attn)
 
         def scale(name: str, f: torch.Tensor) -> None:
-            mats[name].heads().mul_(f.to(mats[name].weight.device).view(-1, 1, 1))
+            mats[name].scale_heads(f)  # the rows this process holds (FSDP2 shards) or all of them
 
         if is_mla(attn):
             scale("wuq", g.pow(opts.alpha))

@@ -34,7 +34,15 @@ from typing import Any
 import torch
 
 from qklab.methods.base import QKController
-from qklab.methods.headwise import HeadScaledUpdate, attention_layers, group_decay, is_mla, logit_matrices
+from qklab.methods.headwise import (
+    HeadMatrix,
+    HeadScaledUpdate,
+    attention_layers,
+    group_decay,
+    is_mla,
+    is_sharded,
+    logit_matrices,
+)
 
 
 @dataclass
@@ -68,12 +76,14 @@ def input_gains(block) -> dict[str, torch.Tensor]:
     return out
 
 
-def partner_factors(attn, norm: str = "fro", gains: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def partner_factors(attn, norm: str = "fro", gains: dict[str, torch.Tensor] | None = None,
+                    norms: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """phi for every logit-path matrix of one layer, per head: name -> (n_heads,). ``gains``: name ->
-    the RMSNorm gain folded into that matrix's norm (``input_gains``), or None."""
+    the RMSNorm gain folded into that matrix's norm (``input_gains``), or None. ``norms``: the per-head
+    norms when the caller measured them (sharded weights), else they are measured here."""
     mats = logit_matrices(attn)
     gains = gains or {}
-    n = {k: m.head_norms(norm, gains.get(k)) for k, m in mats.items()}
+    n = norms or {k: m.head_norms(norm, gains.get(k)) for k, m in mats.items()}
     if not is_mla(attn):
         H, Hkv = mats["wq"].n_heads, mats["wk"].n_heads
         return {"wq": 1.0 / n["wk"].repeat_interleave(H // Hkv),
@@ -103,15 +113,36 @@ class QuacK(QKController):
         self.names = [list(logit_matrices(a)) for a in self.attns]
         self.mats = [m for a in self.attns for m in logit_matrices(a).values()]
         self.update = HeadScaledUpdate(self.mats)
-        self.phi0 = [partner_factors(a, opts.norm, g) for a, g in zip(self.attns, self.gains, strict=True)]  # at init
+        self.sharded = any(is_sharded(m.weight) for m in self.mats)  # FSDP2: norms need the reduce function
+        # phi at init; sharded: at the first step (weights unchanged), once the reduce function is set
+        self.phi0 = None if self.sharded else self.phis()
         self.last: list[dict[str, torch.Tensor]] = []
+
+    def phis(self) -> list[dict[str, torch.Tensor]]:
+        """phi of every layer now. Sharded Frobenius norms: per-head sums of squares of the local rows,
+        all layers packed into one all-reduce; sharded spectral norms gather each matrix."""
+        norms: list[dict[str, torch.Tensor] | None] = [None] * len(self.attns)
+        if self.sharded:
+            mats = [(logit_matrices(a), g or {}) for a, g in zip(self.attns, self.gains, strict=True)]
+            if self.opts.norm == "spectral":
+                norms = [{k: _gathered_spectral(m, g.get(k)) for k, m in ms.items()} for ms, g in mats]
+            else:
+                sq = [m.head_sq(g.get(k)) for ms, g in mats for k, m in ms.items()]
+                packed = torch.cat(sq)
+                if self.reduce is not None:
+                    packed = self.reduce(packed, "sum")
+                it = iter(packed.sqrt().split([len(x) for x in sq]))
+                norms = [{k: next(it) for k in ms} for ms, _ in mats]
+        return [partner_factors(a, self.opts.norm, g, n)
+                for a, g, n in zip(self.attns, self.gains, norms, strict=True)]
 
     def factors(self) -> list[dict[str, torch.Tensor]]:
         """Per layer: matrix name -> per-head learning-rate factor tau * phi(now) / phi(init), the ratio
         clamped to [1 / clamp, clamp] when ``clamp`` is set."""
         out, c = [], self.opts.clamp
-        for a, g, phi0 in zip(self.attns, self.gains, self.phi0, strict=True):
-            now = partner_factors(a, self.opts.norm, g)
+        if self.phi0 is None:
+            self.phi0 = self.phis()
+        for now, phi0 in zip(self.phis(), self.phi0, strict=True):
             ratio = {k: now[k] / phi0[k] for k in now}
             if c:
                 ratio = {k: r.clamp(1.0 / c, c) for k, r in ratio.items()}
@@ -135,7 +166,14 @@ class QuacK(QKController):
         return {**per_head, "quack_factor_min": flat.min().item(), "quack_factor_max": flat.max().item()}
 
     def state_dict(self) -> dict[str, Any]:
+        if self.phi0 is None:
+            self.phi0 = self.phis()
         return {"phi0": [{k: v.clone() for k, v in d.items()} for d in self.phi0]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.phi0 = [dict(d) for d in state["phi0"]]
+
+
+def _gathered_spectral(m: HeadMatrix, gain: torch.Tensor | None) -> torch.Tensor:
+    """Spectral per-head norms of a sharded matrix: gathered whole on every rank (a collective)."""
+    return HeadMatrix(m.name, m.weight.full_tensor(), m.n_heads).head_norms("spectral", gain)

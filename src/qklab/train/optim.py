@@ -39,10 +39,12 @@ def method_groups(model: nn.Module) -> dict[str, tuple[float, list[tuple[str, nn
     return out
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Optimizer]:
+def build_optimizer(model: nn.Module, cfg: TrainConfig,
+                    muon_cls: type[torch.optim.Muon] = torch.optim.Muon) -> list[torch.optim.Optimizer]:
     """One optimizer (AdamW) or two (Muon for hidden matrices + AdamW for the rest). QK-method
     parameters that ask for it (QK-MAP's frequencies and temperature) get an AdamW group of their own:
-    no weight decay, their method's rate multiplier."""
+    no weight decay, their method's rate multiplier. ``muon_cls``: torch's Muon, or a subclass (FSDP2
+    shards: ``qklab.dist.muon.ShardedMuon``)."""
     hidden = hidden_matrix_names(model)
     own = method_groups(model)
     taken = {n for _, named in own.values() for n, _ in named}
@@ -60,7 +62,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Opti
     adam_lr = cfg.adam_lr or cfg.lr
     muon_params = [(n, p) for n, p in matrices if n in hidden]
     adam_matrices = [(n, p) for n, p in matrices if n not in hidden]
-    muon = torch.optim.Muon(
+    muon = muon_cls(
         [_group("muon", muon_params, cfg.lr, cfg.weight_decay)],
         lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, adjust_lr_fn="match_rms_adamw",
     )

@@ -24,6 +24,7 @@ from qklab.data import DataError, PreparedData, TokenLoader, prepare_data
 from qklab.data.retrieval import train_loader
 from qklab.diagnostics.monitor import AttentionMonitor
 from qklab.diagnostics.stability import NonFiniteError, SpikeDetector
+from qklab import dist as qdist
 from qklab.dist import DistContext, RankSlice, wrap_ddp
 from qklab.methods import CONTROLLERS
 from qklab.model import GPT
@@ -157,7 +158,10 @@ class Trainer:
                               "set it to 0 to take the tokenizer's")
         _seed_everything(t.seed)
         self.model = GPT(cfg.model, cfg.qk).to(self.device)
-        self.optimizers = build_optimizer(self.model, t)
+        self.sharded = self.dist.parallel == "fsdp" and self.dist.active
+        if self.sharded:  # before the optimizers and the controller: they hold the sharded parameters
+            qdist.shard_model(self.model, self.dist)
+        self.optimizers = build_optimizer(self.model, t, qdist.ShardedMuon if self.sharded else torch.optim.Muon)
         self.controller = CONTROLLERS[cfg.qk.controller](self.model, self.optimizers, cfg.qk.opts(cfg.qk.controller))
         self.controller.reduce = self.dist.reduce if self.dist.active else None  # e.g. QK-clip's max over ranks
         data_seed = t.seed if t.data_seed < 0 else t.data_seed  # a study fixes it: same tokens in every cell
@@ -244,9 +248,14 @@ class Trainer:
                               "run; undo the change, or start a new run with another train.name")
 
     def _restore(self, path: Path, state: dict[str, Any]) -> None:
-        load_weights(path, self.model)
-        for opt, sd in zip(self.optimizers, state["optimizers"], strict=True):
-            opt.load_state_dict(sd)
+        if self.sharded:  # every rank reads the consolidated checkpoint and keeps its shards
+            whole = self._cpu_model()
+            load_weights(path, whole)
+            qdist.load_full(self.model, self.optimizers, whole.state_dict(), state["optimizers"])
+        else:
+            load_weights(path, self.model)
+            for opt, sd in zip(self.optimizers, state["optimizers"], strict=True):
+                opt.load_state_dict(qdist.to_index(sd, opt))  # an FSDP run's state is keyed by name
         self.controller.load_state_dict(state["controller"])
         self.loader.load_state_dict(state["loader"])
         rng = state["rng"]
@@ -258,15 +267,33 @@ class Trainer:
         self.step, self.skipped = state["step"], state.get("skipped", 0)
         self.spikes.load_state_dict(state.get("spikes", {}))
 
+    def _cpu_model(self) -> GPT:
+        """An unsharded CPU GPT of this config, its weights left uninitialised (FSDP checkpoints)."""
+        with torch.device("meta"):
+            whole = GPT(self.cfg.model, self.cfg.qk)
+        whole = whole.to_empty(device="cpu")
+        if self.cfg.model.tie_embeddings:
+            whole.lm_head.weight = whole.tok_emb.weight
+        return whole
+
     def save(self) -> Path:
-        if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):  # keep the last good one
+        params = list(self.model.parameters())
+        finite = qdist.all_finite(params, self.dist) if self.sharded else \
+            all(bool(torch.isfinite(p).all()) for p in params)
+        if not finite:  # keep the last good one
             self.metrics.log(self.step, event="nonfinite_weights")
             raise NonFiniteError(f"weights are non-finite at step {self.step}; no checkpoint written, the last good "
                                  f"one is {latest_checkpoint(self.ckpt_dir) or 'none'}")
-        path, failed = self.ckpt_dir / f"step_{self.step:07d}", None
+        path, failed, model, state = self.ckpt_dir / f"step_{self.step:07d}", None, self.model, None
+        if self.sharded:  # gathered into full CPU tensors on rank 0: one consolidated checkpoint
+            weights, optim = qdist.full_state(self.model, self.optimizers)
+            state = {**self._state(), "optimizers": optim}  # on every rank: a controller may reduce
+            if self.dist.is_main:
+                model = self._cpu_model()
+                model.load_state_dict(weights)
         if self.dist.is_main:  # DDP: the weights and optimizer state are the same on every rank
             try:
-                path = save_checkpoint(self.ckpt_dir, self.step, self.model, self._state(),
+                path = save_checkpoint(self.ckpt_dir, self.step, model, state or self._state(),
                                        keep=self.cfg.train.keep_ckpts)
             except BaseException as e:
                 failed = e
@@ -290,7 +317,12 @@ class Trainer:
                 (loss / t.grad_accum).backward()
             total += loss.item()
         params = [p for p in self.model.parameters() if p.grad is not None]
-        gnorm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+        if self.sharded:  # the whole (unsharded) parameters' gradients are averaged here, FSDP's in backward
+            qdist.sync_replicated_grads(params, self.dist)
+            gnorm = qdist.clip_grad_norm(params, max_norm, self.dist)
+        else:
+            gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         loss, gn = self.dist.mean(total / t.grad_accum), gnorm.item()  # every rank decides on the same loss
         if math.isfinite(loss) and math.isfinite(gn):
             self.controller.before_step(self.step)
@@ -307,7 +339,9 @@ class Trainer:
         return loss, gn
 
     def _accumulating(self, more: bool):
-        """DDP: no gradient all-reduce on the micro-batches before the last of a step."""
+        """DDP, FSDP2: no gradient reduction on the micro-batches before the last of a step."""
+        if self.sharded:
+            qdist.set_grad_sync(self.model, not more)
         if more and self.wrapped is not self.model and hasattr(self.wrapped, "no_sync"):
             return self.wrapped.no_sync()
         return contextlib.nullcontext()

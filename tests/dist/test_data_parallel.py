@@ -1,0 +1,60 @@
+"""DDP and FSDP2 (fully_shard) on 2 gloo processes give the loss curve of one process at the same global
+batch (fp32, 1e-5 relative) for every QK method family, with AdamW and Muon, MHA, GQA and MLA, and the
+same final weights; what every rank holds whole is equal on both ranks (QK-clip's clip included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist.common import check_against_one, run_cases
+
+CASES = {
+    "ddp": {
+        f"{m}-{o}": [f"qk.method={m}", f"train.optimizer={o}"] for m in ("none", "qknorm", "qkmap") for o in ("adamw", "muon")
+    } | {
+        f"{c}-{o}": [f"qk.controller={c}", f"train.optimizer={o}"] for c in ("quack", "qkclip") for o in ("adamw", "muon")
+    } | {
+        "mla-quack-muon": ["model.attention=mla", "qk.controller=quack", "train.optimizer=muon"],
+        "mla-qkclip-adamw": ["model.attention=mla", "qk.controller=qkclip"],
+        "accum-qkclip": ["qk.controller=qkclip", "train.grad_accum=2"],
+    },
+    "fsdp": {
+        "none-adamw": ["qk.method=none"],
+        "qknorm-muon": ["qk.method=qknorm", "train.optimizer=muon"],
+        "qkmap-adamw": ["qk.method=qkmap"],
+        "quack-adamw": ["qk.controller=quack"],
+        "quack-muon-gqa": ["qk.controller=quack", "train.optimizer=muon", "model.n_kv_heads=2"],
+        "qkclip-adamw": ["qk.controller=qkclip", "train.grad_accum=2"],
+        "qkclip-qkmap-muon": ["qk.method=qkmap", "qk.controller=qkclip", "train.optimizer=muon"],
+        "mla-quack-adamw": ["model.attention=mla", "qk.controller=quack"],
+        "mla-qkclip-muon": ["model.attention=mla", "qk.controller=qkclip", "train.optimizer=muon"],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    done: dict[str, tuple] = {}
+
+    def get(mode: str):  # one spawn of 2 processes per mode, all its cases in a row
+        if mode not in done:
+            tmp = tmp_path_factory.mktemp(mode)
+            done[mode] = tmp, run_cases(tmp, CASES[mode], mode)
+        return done[mode]
+
+    return get
+
+
+@pytest.mark.parametrize("mode, name", [(m, n) for m in CASES for n in CASES[m]])
+def test_matches_one_process(runs, mode, name):
+    tmp, refs = runs(mode)
+    check_against_one(tmp, refs, name, mode)
+    # DDP: every tensor; FSDP2: vectors and QK-method parameters (QK-MAP's temperature, which QK-clip
+    # scales), kept whole on every rank. QK-clip reduces its max logits over the ranks: one clip everywhere
+    suffix = "" if mode == "ddp" else "-whole"
+    w0 = torch.load(tmp / f"{name}-{mode}{suffix}-rank0.pt")
+    w1 = torch.load(tmp / f"{name}-{mode}{suffix}-rank1.pt")
+    assert w0 and w0.keys() == w1.keys()
+    for k in w0:
+        assert torch.equal(w0[k], w1[k]), f"{k} differs between ranks"
