@@ -128,7 +128,7 @@ def test_interrupted_study_resumes_without_loss(tmp_path):
 config = "tiny"
 seeds = [0]
 [study.set]
-"train.steps" = 120
+"train.steps" = 400
 "train.lr" = 1e-2
 "train.eval_every" = 60
 "train.ckpt_every" = 20
@@ -142,10 +142,11 @@ seeds = [0]
            "--workers", "1", "--no-report"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    metrics = tmp_path / "o" / "cells" / "a_lr1_s0" / "metrics.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline and not (metrics.exists() and '"step": 40' in metrics.read_text()):
-        time.sleep(0.2)
+    ckpt = tmp_path / "o" / "cells" / "a_lr1_s0" / "ckpt"
+    deadline = time.time() + 600
+    while not list(ckpt.glob("step_*")):  # interrupt once the cell has its first checkpoint
+        assert time.time() < deadline and proc.poll() is None, "the cell never reached its first checkpoint"
+        time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGINT)
     out = proc.communicate(timeout=240)[0].decode()
     assert proc.returncode != 0, out
@@ -156,7 +157,7 @@ seeds = [0]
     resumed = read_result(tmp_path / "o" / "results" / "a_lr1_s0" / "result.json")
     assert "resumed" in (tmp_path / "o" / "logs" / "a_lr1_s0.log").read_text()
     ref = run_study(parse_study({"study": {"config": "tiny", "seeds": [0], "set": {
-        "train.steps": 120, "train.lr": 1e-2, "train.eval_every": 60, "train.ckpt_every": 20, "train.diag_every": 0,
+        "train.steps": 400, "train.lr": 1e-2, "train.eval_every": 60, "train.ckpt_every": 20, "train.diag_every": 0,
         "data.max_files": 20, "data.cache_dir": f"{tmp_path}/cache"}}, "variants": {"a": {"qk.method": "none"}}}, "r"),
         tmp_path / "ref", workers=0, log=lambda s: None).results["a_lr1_s0"]
     assert resumed["final"]["report_loss"] == ref["final"]["report_loss"]  # bitwise: nothing lost
