@@ -4,9 +4,12 @@ same final weights; what every rank holds whole is equal on both ranks (QK-clip'
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
+from qklab.train.metrics import read_metrics
 from tests.dist.common import check_against_one, run_cases
 
 CASES = {
@@ -29,6 +32,7 @@ CASES = {
         "qkclip-qkmap-muon": ["qk.method=qkmap", "qk.controller=qkclip", "train.optimizer=muon"],
         "mla-quack-adamw": ["model.attention=mla", "qk.controller=quack"],
         "mla-qkclip-muon": ["model.attention=mla", "qk.controller=qkclip", "train.optimizer=muon"],
+        "diag-qkmap-adamw": ["qk.method=qkmap", "train.diag_every=3"],
     },
 }
 
@@ -58,3 +62,26 @@ def test_matches_one_process(runs, mode, name):
     assert w0 and w0.keys() == w1.keys()
     for k in w0:
         assert torch.equal(w0[k], w1[k]), f"{k} differs between ranks"
+
+
+def _diag(tmp, name):
+    return [r["diag"] for r in read_metrics(tmp / "runs" / name / "metrics.jsonl") if "diag" in r]
+
+
+def test_fsdp_diagnostics_are_those_of_one_process(runs):
+    tmp, _ = runs("fsdp")
+    one, fsdp = _diag(tmp, "diag-qkmap-adamw-one"), _diag(tmp, "diag-qkmap-adamw-fsdp")
+    assert len(one) == len(fsdp) == 3  # steps 0, 3, 6
+    a, b = _numbers(one), _numbers(fsdp)
+    assert len(a) > 100 and a.keys() == b.keys()
+    for k in a:
+        assert math.isclose(a[k], b[k], rel_tol=1e-4, abs_tol=1e-6) or (math.isnan(a[k]) and math.isnan(b[k])), k
+
+
+def _numbers(x, at: str = "") -> dict[str, float]:
+    """Every number in nested dicts and lists, by its path."""
+    if isinstance(x, dict):
+        return {k: v for key, sub in x.items() for k, v in _numbers(sub, f"{at}.{key}").items()}
+    if isinstance(x, list):
+        return {k: v for i, sub in enumerate(x) for k, v in _numbers(sub, f"{at}[{i}]").items()}
+    return {at: float(x)} if isinstance(x, int | float) and not isinstance(x, bool) else {}

@@ -276,6 +276,18 @@ class Trainer:
             whole.lm_head.weight = whole.tok_emb.weight
         return whole
 
+    def _diagnose(self) -> dict[str, Any]:
+        """Attention diagnostics of the current weights. FSDP2: measured on rank 0 on a whole copy
+        gathered from the shards, so the numbers are those of one process ({} on the other ranks)."""
+        if not self.sharded:
+            return self.monitor.measure(self.model, self.step)
+        weights = qdist.full_state(self.model, [])[0]
+        if not self.dist.is_main:
+            return {}
+        whole = self._cpu_model()
+        whole.load_state_dict(weights)
+        return self.monitor.measure(whole.to(self.device), self.step)
+
     def save(self) -> Path:
         params = list(self.model.parameters())
         finite = qdist.all_finite(params, self.dist) if self.sharded else \
@@ -375,7 +387,7 @@ class Trainer:
         try:
             stop.install()
             if self.monitor is not None:  # the reference for the first logit change; logged at step 0 only
-                base = self.monitor.measure(self.model, self.step)
+                base = self._diagnose()
                 if self.step == 0:
                     self.metrics.log(0, diag=base)
             while self.step < t.steps:
@@ -402,7 +414,7 @@ class Trainer:
                         rec["report_loss"] = eval_loss(self.model, self.report_batches, self.device, self.autocast)
                     self._note(bar, f"step {self.step}: val_loss {last['val_loss']:.4f}  max_logit {last['max_logit']:.2f}")
                 if self.monitor is not None and (self.step % t.diag_every == 0 or self.step == t.steps):
-                    rec["diag"] = self.monitor.measure(self.model, self.step)
+                    rec["diag"] = self._diagnose()
                 if rec:
                     self.metrics.log(self.step, **rec)
                 if (t.ckpt_every and self.step % t.ckpt_every == 0) or self.step == t.steps:
