@@ -84,13 +84,6 @@ class DistContext:
             tdist.all_reduce(t, op=_OPS[op])
         return t
 
-    def mean(self, value: float) -> float:
-        """The mean of a Python float over the ranks (one collective)."""
-        if not self.active:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self._comm_device())
-        return float(self.reduce(t).item()) / self.world
-
     def any(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is True on any (e.g. a signal received by one process)."""
         if not self.active:

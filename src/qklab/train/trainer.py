@@ -320,14 +320,14 @@ class Trainer:
         """One optimizer step (with accumulation); returns (mean loss, grad norm before clipping)."""
         t = self.cfg.train
         set_lr(self.optimizers, lr_mult(self.step, t))
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.device)  # summed on the device: no host sync
         for i in range(t.grad_accum):
             x, y = self.loader.next_batch()
             with self._accumulating(i < t.grad_accum - 1):
                 with self.autocast():
                     _, loss = self.fwd(x.to(self.device), y.to(self.device))
                 (loss / t.grad_accum).backward()
-            total += loss.item()
+            total += loss.detach().double()  # float64, as the Python floats it replaces
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         if self.sharded:  # the whole (unsharded) parameters' gradients are averaged here, FSDP's in backward
@@ -335,7 +335,8 @@ class Trainer:
             gnorm = qdist.clip_grad_norm(params, max_norm, self.dist)
         else:
             gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        loss, gn = self.dist.mean(total / t.grad_accum), gnorm.item()  # every rank decides on the same loss
+        mean = self.dist.reduce(total / t.grad_accum) / self.dist.world  # every rank decides on the same loss
+        loss, gn = torch.stack([mean, gnorm.detach().double()]).tolist()  # the step's one host sync
         if math.isfinite(loss) and math.isfinite(gn):
             self.controller.before_step(self.step)
             for opt in self.optimizers:
