@@ -72,13 +72,15 @@ def throughput_table(groups: list[dict]) -> Table:
     for g in groups:
         if g["variant"] == g.get("reference"):
             ref[(g["study"], g["point"], g["attention"])] = g["stats"]["tokens_per_s"]["mean"]
-    head = ["variant", "attn", "tokens/s (mean over seeds)", "relative to reference"]
+    head = ["variant", "attn", "tokens/s (mean over seeds)", "relative to reference", "CPU s per cell"]
     rows = []
     for g in groups:
         t = g["stats"]["tokens_per_s"]["mean"]
         r = ref.get((g["study"], g["point"], g["attention"]))
+        cpu = g["stats"]["cpu_seconds"]["mean"]
         rows.append([g["variant"], g["attention"], f"{t:,.0f}" if math.isfinite(t) else "-",
-                     f"{t / r:.2f}x" if r and math.isfinite(t) and math.isfinite(r) else "-"])
+                     f"{t / r:.2f}x" if r and math.isfinite(t) and math.isfinite(r) else "-",
+                     f"{cpu:,.0f}" if math.isfinite(cpu) else "-"])
     return head, rows
 
 

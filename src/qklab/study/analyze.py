@@ -106,13 +106,15 @@ def _group(key: tuple, rs: list[dict]) -> dict[str, Any]:
     chosen = select_rate(select, eligible)
     stable = [m for m, s in sweep.items() if s["diverged"] == 0 and s["n"] > s["failed"]]
     at: dict[str, dict[int, float]] = {k: {} for k in ("report_loss", "val_loss", "train_loss", "max_logit",
-                                                        "first_token", "logit_change", "tokens_per_s")}
+                                                        "first_token", "logit_change", "tokens_per_s",
+                                                        "cpu_seconds")}
     chosen_cells = [c for c in by_mult.get(chosen, []) if c["status"] != "failed"] if chosen is not None else []
     for c in chosen_cells:  # the report split is read here, after the choice, at the chosen rate only
         f = c["final"]
         for k in ("report_loss", "val_loss", "train_loss", "max_logit", "first_token", "logit_change"):
             at[k][c["seed"]] = num(f.get(k))
         at["tokens_per_s"][c["seed"]] = num(c.get("tokens_per_s"))
+        at["cpu_seconds"][c["seed"]] = num(c.get("cpu_seconds"))
     cfg = first.get("config", {})
     return {"study": study, "variant": variant, "point": point, "order": 0,
             "attention": first.get("attention", cfg.get("model", {}).get("attention", "mha")),

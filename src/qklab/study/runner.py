@@ -63,7 +63,7 @@ def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, pro
 
     log_path = out / "logs" / f"{cell.id}.log"
     header = cell_header(cell, study, log_path)
-    t0, chash = time.time(), None
+    t0, cpu0, chash = time.time(), _cpu_seconds(), None
     try:
         cfg = _cell_cfg(cell, out, threads)
         chash = cell_hash(cfg)
@@ -91,8 +91,16 @@ def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, pro
     except Exception as e:  # any failure of the cell is recorded and the study goes on
         traceback.print_exc()
         res = failed_result(header, f"{type(e).__name__}: {e}".splitlines()[0], chash, time.time() - t0)
+    res["cpu_seconds"] = _cpu_seconds() - cpu0  # this process's CPU time (user + system) for the cell
     write_json_atomic(results / cell.id / "result.json", res)
     return res
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def _probe(run_dir: Path, max_mult: int) -> dict[str, Any]:
