@@ -80,7 +80,8 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     print(json.dumps({
         "config": args.config, "overrides": args.set, "threads": torch.get_num_threads(),
-        "device": args.device, "dtype": args.dtype, "matmul_peak_gflops": round(peak / 1e9, 2), "step_gflop": round(flops / 1e9, 3),
+        "device": args.device, "dtype": args.dtype, "matmul_peak_gflops": round(peak / 1e9, 2),
+        "step_gflop": round(flops / 1e9, 3),
         "step_s": {k: round(v, 5) for k, v in med.items()},
         "achieved_gflops": {k: round(flops / v / 1e9, 2) for k, v in med.items()},
         "mfu": {k: round(flops / v / peak, 4) for k, v in med.items()},

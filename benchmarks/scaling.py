@@ -50,7 +50,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     tdist.destroy_process_group()
     if rank == 0:
         tokens = cfg.train.batch_size * world * cfg.train.seq_len * cfg.train.grad_accum * args.steps
-        Path(out, f"{tag}-{world}.json").write_text(json.dumps({"tokens_per_s": tokens / dt, "step_s": dt / args.steps}))
+        result = {"tokens_per_s": tokens / dt, "step_s": dt / args.steps}
+        Path(out, f"{tag}-{world}.json").write_text(json.dumps(result))
 
 
 def _port() -> int:

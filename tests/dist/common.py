@@ -107,7 +107,8 @@ class CopyRun:
 def run_cases(tmp: Path, cases: dict[str, list[str]], parallel: str) -> dict[str, dict]:
     """Each case in one process at batch 8 (its final weights returned) and on 2 ranks at batch 4."""
     refs = {name: single(tmp, f"{name}-one", extra) for name, extra in cases.items()}
-    spawn(tmp, [TrainJob(f"{name}-{parallel}", [*extra, f"train.parallel={parallel}"]) for name, extra in cases.items()])
+    spawn(tmp, [TrainJob(f"{name}-{parallel}", [*extra, f"train.parallel={parallel}"])
+                for name, extra in cases.items()])
     return refs
 
 

@@ -14,9 +14,11 @@ from tests.dist.common import check_against_one, run_cases
 
 CASES = {
     "ddp": {
-        f"{m}-{o}": [f"qk.method={m}", f"train.optimizer={o}"] for m in ("none", "qknorm", "qkmap") for o in ("adamw", "muon")
+        f"{m}-{o}": [f"qk.method={m}", f"train.optimizer={o}"]
+        for m in ("none", "qknorm", "qkmap") for o in ("adamw", "muon")
     } | {
-        f"{c}-{o}": [f"qk.controller={c}", f"train.optimizer={o}"] for c in ("quack", "qkclip") for o in ("adamw", "muon")
+        f"{c}-{o}": [f"qk.controller={c}", f"train.optimizer={o}"]
+        for c in ("quack", "qkclip") for o in ("adamw", "muon")
     } | {
         "mla-quack-muon": ["model.attention=mla", "qk.controller=quack", "train.optimizer=muon"],
         "mla-qkclip-adamw": ["model.attention=mla", "qk.controller=qkclip"],

@@ -18,5 +18,6 @@ from qklab.dist.fsdp import (
 from qklab.dist.muon import ShardedMuon
 from qklab.dist.wrap import RankSlice, wrap_ddp
 
-__all__ = ["DistContext", "RankSlice", "ShardedMuon", "all_finite", "clip_grad_norm", "full_state", "launched", "load_full",
+__all__ = ["DistContext", "RankSlice", "ShardedMuon", "all_finite", "clip_grad_norm", "full_state", "launched",
+           "load_full",
            "set_grad_sync", "shard_model", "sync_replicated_grads", "to_index", "wrap_ddp"]

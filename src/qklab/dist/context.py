@@ -103,7 +103,8 @@ class DistContext:
             tdist.barrier()
 
     def _comm_device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if tdist.get_backend() == "nccl" else torch.device("cpu")
+        nccl = tdist.get_backend() == "nccl"
+        return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     def close(self) -> None:
         if self.owns_group and tdist.is_initialized():

@@ -18,13 +18,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from qklab import dist as qdist
 from qklab.atomic import atomic_write_text
 from qklab.config import ConfigError, RunConfig, check_run_name, comparable, resume_changes
 from qklab.data import DataError, PreparedData, TokenLoader, prepare_data
 from qklab.data.retrieval import train_loader
 from qklab.diagnostics.monitor import AttentionMonitor
 from qklab.diagnostics.stability import NonFiniteError, SpikeDetector
-from qklab import dist as qdist
 from qklab.dist import DistContext, RankSlice, wrap_ddp
 from qklab.methods import CONTROLLERS
 from qklab.model import GPT
@@ -380,7 +380,8 @@ class Trainer:
     def run(self) -> TrainResult:
         t = self.cfg.train
         tokens_per_step = t.batch_size * self.dist.world * t.seq_len * t.grad_accum  # the global batch
-        bar = tqdm(total=t.steps, initial=self.step, desc=self.run_dir.name, disable=not (t.progress and self.dist.is_main),
+        show = t.progress and self.dist.is_main
+        bar = tqdm(total=t.steps, initial=self.step, desc=self.run_dir.name, disable=not show,
                    dynamic_ncols=True, leave=True)
         last = {}
         tps_hist: list[float] = []
@@ -413,7 +414,8 @@ class Trainer:
                     rec.update(last)
                     if self.step == t.steps:  # the report split is read once, at the end
                         rec["report_loss"] = eval_loss(self.model, self.report_batches, self.device, self.autocast)
-                    self._note(bar, f"step {self.step}: val_loss {last['val_loss']:.4f}  max_logit {last['max_logit']:.2f}")
+                    self._note(bar, f"step {self.step}: val_loss {last['val_loss']:.4f}  "
+                                    f"max_logit {last['max_logit']:.2f}")
                 if self.monitor is not None and (self.step % t.diag_every == 0 or self.step == t.steps):
                     rec["diag"] = self._diagnose()
                 if rec:
