@@ -52,7 +52,8 @@ def test_paired_difference_by_hand():
 
 
 def test_bootstrap_degenerate_and_reproducible():
-    assert bootstrap_ci(np.array([0.3, 0.3, 0.3])) == pytest.approx((0.3, 0.3))
+    assert bootstrap_ci(np.array([0.3, 0.3, 0.3, 0.3])) == pytest.approx((0.3, 0.3))
+    assert all(math.isnan(v) for v in bootstrap_ci(np.array([0.1, 0.2, 0.4])))  # too few seeds
     x = np.array([0.1, -0.4, 0.2, 0.5, -0.1])
     assert bootstrap_ci(x) == bootstrap_ci(x)  # fixed generator
     assert all(math.isnan(v) for v in bootstrap_ci(np.array([1.0])))

@@ -28,6 +28,12 @@ class Claim:
     test: Callable[[list[dict]], tuple[str, str, str]]  # groups -> (verdict, measured, reason)
 
 
+def _name(kind: tuple) -> str:
+    """(attention, method, controller) -> 'MLA quack', 'MHA qknorm', 'MHA none'."""
+    att, method, ctrl = kind
+    return f"{att.upper()} {ctrl if ctrl != 'none' else method}"
+
+
 def _find(groups: list[dict], attention: str, method: str = "none", controller: str = "none") -> list[dict]:
     """Groups of one kind (several when, e.g., two taus were run): the best by selection loss first."""
     gs = [g for g in groups if g["attention"] == attention and g["method"] == method
@@ -39,8 +45,8 @@ def _pair(groups, a: tuple, b: tuple, metric: str) -> tuple[dict | None, str]:
     """Paired difference a - b of ``metric`` (same study and grid point), or None and why not."""
     ga, gb = _find(groups, *a), _find(groups, *b)
     if not ga or not gb:
-        missing = [f"{x[1]}+{x[2]}" if x[2] != "none" else x[1] for x, g in ((a, ga), (b, gb)) if not g]
-        return None, f"no finished {a[0].upper()} cells of {', '.join(missing)} in these results"
+        missing = [_name(x) for x, g in ((a, ga), (b, gb)) if not g]
+        return None, f"no finished cells of {' and '.join(missing)} in these results"
     for x in ga:
         for y in gb:
             if x["study"] == y["study"] and x["point"] == y["point"]:
@@ -83,7 +89,7 @@ def _stable_rate(a: tuple, b: tuple) -> Callable[[list[dict]], tuple[str, str, s
     def test(groups):
         ga, gb = _find(groups, *a), _find(groups, *b)
         if not ga or not gb:
-            return "not measurable", "-", f"needs {a[0].upper()} cells of both {a[1:]} and {b[1:]}"
+            return "not measurable", "-", f"needs finished cells of both {_name(a)} and {_name(b)}"
         x, y = ga[0], gb[0]
         if len(x["sweep"]) < 2 or len(y["sweep"]) < 2:
             return "not measurable", "-", "needs a learning-rate grid (one rate per method was run)"
@@ -105,7 +111,7 @@ def _probe_claim(key: str, a: tuple, b: tuple, higher: bool) -> Callable[[list[d
     def test(groups):
         ga, gb = _find(groups, *a), _find(groups, *b)
         if not ga or not gb:
-            return "not measurable", "-", f"needs {a[0].upper()} cells of {a[1]} and {b[1]}"
+            return "not measurable", "-", f"needs finished cells of both {_name(a)} and {_name(b)}"
         sa = {s: float(p[key]) for s, p in ga[0]["probe_by_seed"].items() if p.get(key) is not None}
         sb = {s: float(p[key]) for s, p in gb[0]["probe_by_seed"].items() if p.get(key) is not None}
         if not sa or not sb:

@@ -3,7 +3,8 @@
 Seeds are the unit of replication. A paired difference compares two methods on the same seeds (the same
 initialisation stream and the same batches), so the seed-to-seed spread that both share cancels:
 d_s = a_s - b_s, then a one-sample t-test of mean(d) = 0 (two-sided), its 95% t-interval, and a
-percentile bootstrap interval of mean(d) (resampling seeds with a fixed generator, so it is reproducible).
+percentile bootstrap interval of mean(d) (resampling seeds with a fixed generator, so it is reproducible;
+from four seeds on).
 With fewer than two values every spread, interval and p-value is NaN: one seed gives no interval.
 """
 
@@ -17,6 +18,7 @@ from scipy import stats as sps
 
 CONFIDENCE = 0.95
 N_BOOT = 10_000
+MIN_BOOT = 4  # two seeds give 3 distinct resample means, three give 10: no interval from those
 
 
 def _clean(xs: Sequence[float]) -> np.ndarray:
@@ -40,8 +42,9 @@ def describe(xs: Sequence[float], confidence: float = CONFIDENCE) -> dict[str, f
 
 def bootstrap_ci(d: np.ndarray, confidence: float = CONFIDENCE, n_boot: int = N_BOOT,
                  seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean of d (resampling its entries with replacement)."""
-    if d.size < 2:
+    """Percentile bootstrap interval of the mean of d (resampling its entries with replacement); NaN
+    below MIN_BOOT values, where resampling has too few distinct outcomes to mean anything."""
+    if d.size < MIN_BOOT:
         return float("nan"), float("nan")
     rng = np.random.default_rng(seed)
     means = d[rng.integers(0, d.size, size=(n_boot, d.size))].mean(axis=1)  # (n_boot,)
