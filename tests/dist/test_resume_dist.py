@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from qklab.config import ConfigError
 from qklab.train.checkpoint import latest_checkpoint, verify_checkpoint
 from tests.dist.common import CopyRun, TrainJob, assert_close_curves, losses, single, spawn
 
@@ -61,3 +62,10 @@ def test_fsdp_checkpoint_is_consolidated_and_verified(runs):
     muon = state["optimizers"][0]["state"]
     assert muon and all(isinstance(k, str) for k in muon)  # keyed by parameter name, whole tensors
     assert all(not hasattr(s["momentum_buffer"], "to_local") for s in muon.values())
+
+
+def test_resume_with_another_global_batch_is_refused_in_one_line(runs):
+    with pytest.raises(ConfigError) as e:
+        single(runs, "two", DDP, batch=4, resume=True)  # written by 2 processes at 4: global batch 8
+    assert str(e.value) == ("--resume with a changed global batch: 2 process(es) x train.batch_size=4 -> 1 x 4; "
+                            "keep processes x train.batch_size at 8")

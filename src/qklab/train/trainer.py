@@ -237,8 +237,14 @@ class Trainer:
 
     def _check_resume_config(self, saved: dict[str, Any], saved_world: int = 1) -> None:
         now = comparable(self.cfg)
-        b_saved = saved.get("train", {}).get("batch_size")
-        if b_saved is not None and b_saved * saved_world == now["train"]["batch_size"] * self.dist.world:
+        b_saved, b_now = saved.get("train", {}).get("batch_size"), now["train"]["batch_size"]
+        if b_saved is None or saved_world == self.dist.world:
+            pass  # the usual comparison names a changed batch_size
+        elif b_saved * saved_world != b_now * self.dist.world:
+            raise ConfigError(f"--resume with a changed global batch: {saved_world} process(es) x train.batch_size="
+                              f"{b_saved} -> {self.dist.world} x {b_now}; keep processes x train.batch_size at "
+                              f"{b_saved * saved_world}")
+        else:
             now["train"]["batch_size"] = b_saved  # the same global batch on another number of processes
         if now["model"]["vocab_size"] == 0:  # not filled in from the tokenizer yet; checked against it later
             now["model"]["vocab_size"] = saved.get("model", {}).get("vocab_size", 0)
