@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import time
 
 import pytest
 
@@ -28,6 +29,8 @@ def _wandb_history(path) -> list[dict]:
         if n == 0 and kind == 0:
             pos += left
             continue
+        if pos + 7 + n > len(raw):  # a record still being written
+            break
         buf, pos = buf + raw[pos + 7:pos + 7 + n], pos + 7 + n
         if kind in (1, 4):  # FULL or LAST fragment
             rec = pb2.Record()
@@ -65,6 +68,9 @@ def test_trackers_receive_the_metrics(tmp_path, monkeypatch):
     ml = {e.step: e.value for e in acc.Scalars("diag/max_logit_max")}
     assert sorted(ml) == [0, 5, 10]
     (wb,) = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    deadline = time.time() + 60  # W&B's service writes the run file behind the run's back
+    while {5, 10} - {h["_step"] for h in _wandb_history(wb)} and time.time() < deadline:
+        time.sleep(0.2)
     hist = {h["_step"]: h for h in _wandb_history(wb)}
     assert {s: hist[s]["loss"] for s in (5, 10)} == {r["step"]: r["loss"] for r in recs}
     assert hist[10]["val_loss"] == next(r["val_loss"] for r in recs if r["step"] == 10)

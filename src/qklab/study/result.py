@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from qklab.atomic import atomic_write_text
 from qklab.diagnostics.stability import stability_summary
 
 SCHEMA = 1
@@ -31,16 +30,7 @@ DIVERGENCE_RULE = ("diverged = a non-finite loss or gradient was met, or the fin
 
 def write_json_atomic(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(_finite(data), indent=1) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, json.dumps(_finite(data), indent=1) + "\n")
 
 
 def _finite(v: Any) -> Any:

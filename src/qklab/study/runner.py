@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import sys
 import time
@@ -72,9 +71,9 @@ def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, pro
         started = read_result(mark) or {}
         resume = latest_checkpoint(run_dir / "ckpt") is not None and started.get("cell_hash") == chash
         data = prepare_data(cfg.data)
-        if not resume:  # the folder belongs to this study's cell: start it afresh
-            shutil.rmtree(run_dir, ignore_errors=True)
-        trainer = Trainer(cfg, resume=resume, data=data)
+        # not resumable (no checkpoint, or one of another config): the trainer replaces the cell's run
+        # under its own lock, so two study processes never train the same cell at once
+        trainer = Trainer(cfg, resume=resume, overwrite=not resume, data=data)
         write_json_atomic(mark, {"cell_hash": chash})
         stopped = None
         try:
