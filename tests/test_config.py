@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from qklab.cli import build_parser, main
-from qklab.config import ConfigError, check_methods, comparable, load_config, resume_changes
+from qklab.config import ConfigError, comparable, load_config, resume_changes
 from qklab.methods.softcap import SoftCapOptions
 
 
@@ -110,14 +110,6 @@ def test_messages_name_the_key_and_list_choices_plainly():
     with pytest.raises(ConfigError) as e:
         load_config("tiny", ["qk.method=bogus"])
     assert "[" not in str(e.value) and "choose one of none, qkmap, qknorm, softcap" in str(e.value)
-
-
-def test_method_lists_are_checked_before_any_training():
-    assert check_methods(["none", "qknorm"]) == ["none", "qknorm"]
-    with pytest.raises(ConfigError, match="unknown qk.method 'bogus'"):
-        check_methods(["none", "bogus"])
-    with pytest.raises(ConfigError, match="unknown qk.method ''"):
-        check_methods(["none", ""])
 
 
 def test_train_help_lists_every_preset():

@@ -278,15 +278,6 @@ def check_run_name(name: str, key: str = "train.name", allow_empty: bool = False
     return name
 
 
-def check_methods(names: list[str]) -> list[str]:
-    """Check a list of qk.method values (e.g. ``qklab demo --methods``) before any training starts."""
-    bad = [n for n in names if n not in METHODS]
-    if not names or bad:
-        raise ConfigError(f"unknown qk.method {', '.join(repr(n) for n in bad) or 'list (empty)'}; "
-                          f"choose from {', '.join(sorted(METHODS))}, comma-separated")
-    return names
-
-
 # keys that may differ between a run and its resumption: its length, how often it logs, evaluates and
 # saves, where and on what it runs, and the remedies a non-finite stop suggests (lr, clipping, skipping)
 RESUMABLE = frozenset({
