@@ -115,3 +115,24 @@ def test_monitor_record_has_the_baselines():
     assert rec["first_token_baseline"] == pytest.approx(uniform_first_token(30))
     assert rec["sink"]["seq_len"] == 30 and rec["sink_rate"] == rec["sink"]["rate"]
     assert rec["sink_rate_at_T"] == M.sink_rate(torch.tensor(rec["first_token"]))
+
+
+def test_monitor_logs_the_methods_own_stability_statistics():
+    """QK-MAP's per-head phase statistics (w * std(z), phase spread, aliasing, pre-map norms) reach the
+    diagnostics record, equal to the method's stats() of a recorded forward on the same batch; a method
+    without statistics adds nothing."""
+    x = torch.randint(0, 97, (2, 30))
+    model = tiny_gpt("qkmap")
+    rec = AttentionMonitor(x).measure(model, 0)
+    assert not any(b.attn.qk.record for b in model.blocks)  # switched off again
+    for a in model.blocks:
+        a.attn.qk.record = True
+    with torch.no_grad():
+        model(x)
+    direct = [b.attn.qk.stats() for b in model.blocks]
+    assert set(rec["method_stats"]) == {"w_std", "phase_spread", "aliased", "q_norm", "k_norm", "temperature"}
+    for key, per_layer in rec["method_stats"].items():
+        assert len(per_layer) == len(model.blocks) and len(per_layer[0]) == 4  # (L, H)
+        for got, want in zip(per_layer, direct, strict=True):
+            assert got == pytest.approx(want[key], rel=1e-5)
+    assert "method_stats" not in AttentionMonitor(x).measure(tiny_gpt("none"), 0)

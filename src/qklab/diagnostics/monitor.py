@@ -141,6 +141,17 @@ class AttentionMonitor:
         return cls(probe_batch(tokens, batch, seq_len))
 
     def measure(self, model: nn.Module, step: int) -> dict[str, object]:
-        snap = snapshot(model, self.x, prev=self._prev, steps=step - self._prev_step, consume=True)
+        methods = [a.qk for a in attention_layers(model)]
+        for m in methods:  # the QK method's own stability statistics of this forward (QK-MAP: phases)
+            m.record = True
+        try:
+            snap = snapshot(model, self.x, prev=self._prev, steps=step - self._prev_step, consume=True)
+        finally:
+            for m in methods:
+                m.record = False
         self._prev, self._prev_step = snap, step
-        return summarise(snap.heads, snap.sink, self.x.shape[1])
+        rec = summarise(snap.heads, snap.sink, self.x.shape[1])
+        stats = [m.stats() for m in methods]
+        if any(stats):  # per layer, per head: e.g. method_stats.w_std[l][h]
+            rec["method_stats"] = {k: [s.get(k) for s in stats] for k in stats[0]}
+        return rec
