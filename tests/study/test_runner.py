@@ -141,7 +141,8 @@ seeds = [0]
     cmd = [sys.executable, "-m", "qklab.cli", "study", "run", str(study_file), "--out", str(tmp_path / "o"),
            "--workers", "1", "--no-report"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal
     ckpt = tmp_path / "o" / "cells" / "a_lr1_s0" / "ckpt"
     deadline = time.time() + 600
     while not list(ckpt.glob("step_*")):  # interrupt once the cell has its first checkpoint

@@ -32,6 +32,7 @@ from qklab.study.result import build_result, cell_header, failed_result, read_re
 from qklab.study.spec import Cell, Study, cell_hash
 
 DONE = ("ok", "diverged")
+STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # a worker's exit codes after RunInterrupted
 STOP_GRACE_S = 120  # seconds a stopped worker gets to reach its next step and checkpoint
 
 
@@ -283,6 +284,10 @@ def _pool(cells: list[Cell], study: Study, out: Path, results: Path, workers: in
                 p.join()
                 del running[cid]
                 res = read_result(results / cid / "result.json")
+                if res is None and p.exitcode in STOPPED:  # stopped by a signal after a checkpoint: not done,
+                    log(f"  {cid}: stopped by a signal; the next run resumes it")  # not failed
+                    outcome.ran.append(cid)
+                    continue
                 if res is None or (p.exitcode != 0 and res.get("status") not in DONE + ("failed",)):
                     res = failed_result(cell_header(cell, study.name, out / "logs" / f"{cid}.log"),
                                         f"worker process exited with code {p.exitcode} before writing a result",
