@@ -249,7 +249,8 @@ def test_every_accepted_combination_runs_forward_backward_and_decode():
         with torch.no_grad():
             full, _ = model(x)
             caches = model.make_caches(2, 10)
-            parts = [model(x[:, :4], caches=caches)[0]] + [model(x[:, t : t + 1], caches=caches)[0] for t in range(4, 10)]
+            parts = [model(x[:, :4], caches=caches)[0]]
+            parts += [model(x[:, t : t + 1], caches=caches)[0] for t in range(4, 10)]
         torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=1e-5)
         accepted += 1
     assert accepted == 44  # post 16, input 4, polar 24

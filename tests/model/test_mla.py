@@ -379,7 +379,6 @@ def test_qknorm_granularity_latent_decode_equals_full_forward(opts, kind):
 @pytest.mark.parametrize("opts", GRANULARITIES, ids=str)
 def test_qknorm_granularity_latent_map_is_map_qk_factorised(opts):
     from qklab.methods.qknorm import QKNorm, QKNormOptions
-
     from qklab.model.mla import PartialRope
 
     m = QKNorm(AttnShape(64, H, H, NOPE + ROPE, 0, 2, ROPE), QKNormOptions(**opts))

@@ -237,7 +237,8 @@ class QKMap(QKMethod):
         pq, pk = phase_var(q), phase_var(k)
         self._seen = {"q_mean": pq.mean(dim=(0, 2)), "q_var": pq.var(dim=(0, 2), correction=0),  # (Hz, d|1)
                       "k_mean": pk.mean(dim=(0, 2)), "k_var": pk.var(dim=(0, 2), correction=0),
-                      "q_norm": q.float().norm(dim=-1).mean(dim=(0, 2)), "k_norm": k.float().norm(dim=-1).mean(dim=(0, 2))}
+                      "q_norm": q.float().norm(dim=-1).mean(dim=(0, 2)),
+                      "k_norm": k.float().norm(dim=-1).mean(dim=(0, 2))}
 
     @torch.no_grad()
     def stats(self) -> dict[str, list[float]]:
