@@ -44,7 +44,8 @@ def _finite(v: Any) -> Any:
     return v
 
 
-def _num(v: Any) -> float:
+def num(v: Any) -> float:
+    """A number from a record or result file (NaN/inf are stored as strings); NaN if it is not one."""
     try:
         return float(v)
     except (TypeError, ValueError):
@@ -60,7 +61,7 @@ def downsample(xs: list, n: int = CURVE_POINTS) -> list:
 
 
 def _curve(records: list[dict], key: str) -> dict[str, list]:
-    pts = [(r["step"], _num(r[key])) for r in records if key in r]
+    pts = [(r["step"], num(r[key])) for r in records if key in r]
     pts = downsample(pts)
     return {"step": [p[0] for p in pts], key: [p[1] for p in pts]}
 
@@ -77,10 +78,10 @@ def build_result(header: dict[str, Any], run_dir: Path, records: list[dict], uni
     info = json.loads((run_dir / "config.json").read_text())
     evals = [r for r in records if "val_loss" in r]
     diags = [r for r in records if "diag" in r]
-    losses = [_num(r["loss"]) for r in records if "loss" in r]
+    losses = [num(r["loss"]) for r in records if "loss" in r]
     stab = stability_summary(records)
-    final_val = _num(evals[-1]["val_loss"]) if evals else float("nan")
-    report = next((_num(r["report_loss"]) for r in reversed(records) if "report_loss" in r), float("nan"))
+    final_val = num(evals[-1]["val_loss"]) if evals else float("nan")
+    report = next((num(r["report_loss"]) for r in reversed(records) if "report_loss" in r), float("nan"))
     nonfinite = bool(stopped) or bool(stab["nonfinite_steps"]) or any(not math.isfinite(x) for x in losses)
     reason = None
     if nonfinite:
@@ -92,7 +93,7 @@ def build_result(header: dict[str, Any], run_dir: Path, records: list[dict], uni
     heads = {k: last_diag[k] for k in HEAD_KEYS if k in last_diag}
     ctrl = next((r for r in reversed(records) if any(k.startswith("quack_") for k in r)), {})
     heads.update({k: v for k, v in ctrl.items() if k.startswith("quack_") and isinstance(v, list)})
-    tps = [_num(r["tokens_per_s"]) for r in records if "tokens_per_s" in r]
+    tps = [num(r["tokens_per_s"]) for r in records if "tokens_per_s" in r]
     steady = tps[len(tps) // 5:] or tps
     m, q = info["model"], info["qk"]
     return {**header, "status": "diverged" if reason else "ok", "diverged": bool(reason), "divergence": reason,
@@ -103,11 +104,11 @@ def build_result(header: dict[str, Any], run_dir: Path, records: list[dict], uni
             "lr": info["train"]["lr"], "unigram_entropy": unigram,
             "final": {"step": records[-1]["step"] if records else 0, "val_loss": final_val, "report_loss": report,
                       "train_loss": statistics.fmean(tail) if tail else float("nan"),
-                      "max_logit": _num(evals[-1].get("max_logit")) if evals else float("nan"),
-                      "first_token": _num(last_diag.get("first_token_mean")),
-                      "sink_rate": _num(last_diag.get("sink_rate")),
-                      "logit_change": _num(last_diag.get("logit_change_mean"))},
-            "best_val_loss": min((_num(r["val_loss"]) for r in evals), default=float("nan")),
+                      "max_logit": num(evals[-1].get("max_logit")) if evals else float("nan"),
+                      "first_token": num(last_diag.get("first_token_mean")),
+                      "sink_rate": num(last_diag.get("sink_rate")),
+                      "logit_change": num(last_diag.get("logit_change_mean"))},
+            "best_val_loss": min((num(r["val_loss"]) for r in evals), default=float("nan")),
             "curves": {"train": _curve(records, "loss"), "val": _curve(evals, "val_loss"),
                        "max_logit": _curve(evals, "max_logit"),
                        "logit_change": _curve([{"step": r["step"], **r["diag"]} for r in diags], "logit_change_mean"),
@@ -128,8 +129,3 @@ def read_result(path: Path) -> dict[str, Any] | None:
         return json.loads(Path(path).read_text(), parse_constant=float)
     except (OSError, json.JSONDecodeError):
         return None
-
-
-def num(v: Any) -> float:
-    """A number from a result file (NaN/inf were stored as strings)."""
-    return _num(v)
