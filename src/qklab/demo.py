@@ -10,7 +10,7 @@ from pathlib import Path
 
 from qklab.config import ConfigError
 from qklab.study.cli import resolve_study, run_and_report
-from qklab.study.spec import parse_study
+from qklab.study.spec import parse_sets, parse_study
 
 
 def run_demo(study: str = "demo", methods: str | None = None, overrides: list[str] | None = None,
@@ -29,13 +29,7 @@ def run_demo(study: str = "demo", methods: str | None = None, overrides: list[st
             raw["protocol"]["reference"] = {a: r for a, r in ref.items() if r in wanted}
         elif ref not in wanted:
             raw.get("protocol", {}).pop("reference", None)
-    for item in overrides or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set '{item}' must look like key=value, e.g. --set train.steps=50")
-        from qklab.config import _parse_value
-
-        raw.setdefault("study", {}).setdefault("set", {})[key.strip()] = _parse_value(value.strip())
+    raw.setdefault("study", {}).setdefault("set", {}).update(parse_sets(overrides or [], "--set"))
     s = parse_study(raw, path.stem, path)
     n_workers = workers if workers is not None else raw.get("study", {}).get("workers", 1)
     outcome, report = run_and_report(s, out or Path("runs") / s.name, None, n_workers)

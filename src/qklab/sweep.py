@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from qklab.config import ConfigError, _parse_value
-from qklab.study.spec import NAME_RE, Study, parse_study
+from qklab.config import ConfigError
+from qklab.study.spec import NAME_RE, Study, parse_sets, parse_study
 
 
 @dataclass
@@ -33,18 +32,8 @@ def parse_variant(spec: str) -> Variant:
     if not NAME_RE.match(label):
         raise ConfigError(f"--variant '{spec}': the label '{label}' must be a plain name (letters, digits, . _ -)")
     items = [kv for kv in rest.split(",") if kv]
-    _pairs(items, f"--variant '{label}'")
+    parse_sets(items, f"--variant '{label}'")
     return Variant(label, items)
-
-
-def _pairs(items: list[str], where: str) -> dict[str, Any]:
-    out = {}
-    for kv in items:
-        key, sep, value = kv.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"{where}: '{kv}' must look like key=value, e.g. qk.method=qknorm")
-        out[key.strip()] = _parse_value(value.strip())
-    return out
 
 
 def parse_numbers(text: str, what: str, kind: type = int) -> list:
@@ -61,11 +50,11 @@ def parse_numbers(text: str, what: str, kind: type = int) -> list:
 def sweep_study(preset: str, variants: list[str], seeds: str, out: str | Path, common: list[str],
                 lr_mults: str = "1", reference: str | None = None) -> Study:
     parsed = [parse_variant(v) for v in variants]
-    vs = {v.label: _pairs(v.overrides, f"--variant '{v.label}'") for v in parsed}
+    vs = {v.label: parse_sets(v.overrides, f"--variant '{v.label}'") for v in parsed}
     if len(vs) != len(variants):
         raise ConfigError("--variant labels must be distinct")
     raw = {"study": {"config": preset, "seeds": parse_numbers(seeds, "--seeds"),
-                     "set": _pairs(common, "--set")},
+                     "set": parse_sets(common, "--set")},
            "variants": vs,
            "protocol": {"lr_mults": parse_numbers(lr_mults, "--lr-mults", float),
                         "reference": reference or next(iter(vs))}}

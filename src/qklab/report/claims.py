@@ -77,13 +77,6 @@ def _less(a, b, metric, what, margin=0.0):
     return lambda groups: _verdict_less(*_pair(groups, a, b, metric), what, margin)
 
 
-def _more(a, b, metric, what):
-    def test(groups):
-        d, why = _pair(groups, b, a, metric)  # a > b  <=>  b - a < 0
-        return _verdict_less(d, why, what)
-    return test
-
-
 def _stable_rate(a: tuple, b: tuple) -> Callable[[list[dict]], tuple[str, str, str]]:
     """Claim: a tolerates a higher base rate than b (highest rate with no diverged seed)."""
     def test(groups):

@@ -197,13 +197,14 @@ def run_study(study: Study, out: Path, results: Path | None = None, workers: int
     if not todo:
         return outcome
     # data: once per distinct data config, before any worker starts (workers then reuse the cache)
+    cfgs = {c.id: c.config() for c in todo}
     by_data: dict[str, list[Cell]] = {}
     for cell in todo:
-        by_data.setdefault(repr(cell.config().data), []).append(cell)
+        by_data.setdefault(repr(cfgs[cell.id].data), []).append(cell)
     runnable: list[Cell] = []
     for cells in by_data.values():
         try:
-            prepare_data(cells[0].config().data, log=log)
+            prepare_data(cfgs[cells[0].id].data, log=log)
             runnable += cells
         except Exception as e:  # every cell on this data fails, the others go on
             msg = f"data preparation failed: {type(e).__name__}: {e}".splitlines()[0]
@@ -217,7 +218,7 @@ def run_study(study: Study, out: Path, results: Path | None = None, workers: int
     for cell in runnable:  # an old result of a cell about to run must not be mistaken for its new one
         (results / cell.id / "result.json").unlink(missing_ok=True)
     threads = max(1, (os.cpu_count() or 1) // max(workers, 1))
-    steps = {c.id: c.config().train.steps for c in runnable}
+    steps = {c.id: cfgs[c.id].train.steps for c in runnable}
     bar = tqdm(total=sum(steps.values()), unit="step", desc=study.name, dynamic_ncols=True,
                disable=not sys.stderr.isatty() and not os.environ.get("QKLAB_PROGRESS"))
     try:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qklab.config import ConfigError, RunConfig, load_config
+from qklab.config import ConfigError, RunConfig, _parse_value, load_config
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # keys that do not change what a cell computes (where it writes, how it shows progress, its threads)
@@ -122,6 +122,17 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def parse_sets(items: list[str], where: str) -> dict[str, Any]:
+    """['key=value', ...] (command-line --set items) -> {key: value}, values parsed as in --set."""
+    out = {}
+    for kv in items:
+        key, sep, value = kv.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{where}: '{kv}' must look like key=value, e.g. qk.method=qknorm")
+        out[key.strip()] = _parse_value(value.strip())
+    return out
+
+
 def _sets(d: dict[str, Any]) -> list[str]:
     return [f"{k}={toml_value(v)}" for k, v in flatten(d).items()]
 
@@ -180,8 +191,7 @@ def parse_study(raw: dict[str, Any], name: str, path: Path | None = None) -> Stu
     _need(isinstance(common, dict), "[study] set", "must be a table of config keys, e.g. { \"train.steps\" = 100 }")
     grid = raw.get("grid", {})
     _need(isinstance(grid, dict), "[grid]", "must be a table of key = [values]")
-    grid = {k: v for k, v in flatten({k: v for k, v in grid.items() if not isinstance(v, list)}).items()} | {
-        k: v for k, v in grid.items() if isinstance(v, list)}
+    grid = flatten(grid)
     for k, v in grid.items():
         _need(isinstance(v, list) and bool(v), f"[grid] {k}", f"{v!r} must be a non-empty list of values")
     variants = raw.get("variants", {"default": {}})

@@ -15,8 +15,6 @@ from typing import Any
 
 from qklab.config import ConfigError
 
-TRACKERS = ("tensorboard", "wandb")
-
 
 def flat_scalars(rec: dict[str, Any], prefix: str = "") -> dict[str, float]:
     """Finite numbers of a (nested) record, keyed 'a/b'; 'step' and 'time' left out, lists skipped."""
@@ -75,6 +73,8 @@ def _pretty(config: dict[str, Any]) -> str:
     return json.dumps(config, indent=1, default=str)
 
 
+TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker}  # names checked by RunConfig.validate
+
+
 def build_trackers(names: list[str], run_dir: Path, config: dict[str, Any]) -> list:
-    kinds = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker}
-    return [kinds[n](run_dir, config) for n in names]
+    return [TRACKERS[n](run_dir, config) for n in names]
