@@ -12,6 +12,7 @@ import argparse
 import errno
 import sys
 import traceback
+from pathlib import Path
 
 from qklab.config import ConfigError, load_config, preset_names
 from qklab.data import DataError
@@ -63,6 +64,16 @@ def _sweep(args: argparse.Namespace) -> int:
 
     study = sweep_study(args.config, args.variant, args.seeds, args.out, args.set, args.lr_mults, args.reference)
     run_and_report(study, out=args.out, results=None, workers=args.workers)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from qklab.train.export import export_run
+
+    src = Path(args.path)
+    default = src / "export" if not src.name.startswith("step_") else src.parent.parent / "export"
+    out, step = export_run(src, args.out or default)
+    print(f"exported step {step} of {src}: {out / 'model.safetensors'}")
     return 0
 
 
@@ -151,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="put several runs on one colour scale (their latest probe results; measured when missing)")
     r.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     r.set_defaults(fn=_probe)
+    x = sub.add_parser("export", help="a run's weights as one model.safetensors (whatever wrote the checkpoint)")
+    x.add_argument("path", help="run folder (its newest good checkpoint) or a checkpoint ckpt/step_*")
+    x.add_argument("--out", help="folder for model.safetensors and config.json (default: <run>/export)")
+    x.set_defaults(fn=_export)
     return p
 
 

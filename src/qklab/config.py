@@ -141,6 +141,8 @@ class TrainConfig:
     nonfinite: str = "stop"  # non-finite loss or gradient: stop (end the run) | skip (do not apply the step)
     skip_limit: float = 0.1  # nonfinite=skip: a run that skips more than this share of its steps fails (exit 1)
     parallel: str = "none"  # none | ddp | fsdp: data parallel over the processes torchrun starts (qklab.dist)
+    ckpt_format: str = "auto"  # full (safetensors, gathered on rank 0) | sharded (DCP, each rank its shards) | auto:
+    # sharded under FSDP2 on 2+ processes, else full; either kind resumes on any number of processes
 
 
 @dataclass
@@ -200,6 +202,8 @@ class RunConfig:
         _check(t.data_seed >= -1, f"train.data_seed={t.data_seed}: use -1 (follow train.seed) or a seed >= 0")
         _check(t.nonfinite in ("stop", "skip"), f"train.nonfinite='{t.nonfinite}': use stop or skip")
         _check(t.parallel in ("none", "ddp", "fsdp"), f"train.parallel='{t.parallel}': use none, ddp or fsdp")
+        _check(t.ckpt_format in ("auto", "full", "sharded"),
+               f"train.ckpt_format='{t.ckpt_format}': use auto, full or sharded")
         try:
             self.data.validate()
         except DataError as e:
@@ -286,6 +290,7 @@ RESUMABLE = frozenset({
     "train.device", "train.compile", "train.diag_every", "train.diag_batch", "train.nonfinite",
     "train.skip_limit", "train.lr", "train.grad_clip", "data.cache_dir", "train.trackers",
     "train.parallel",  # the same global batch on another number of processes continues the same run
+    "train.ckpt_format",  # either kind of checkpoint resumes as the other
 })
 
 

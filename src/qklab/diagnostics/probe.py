@@ -26,7 +26,7 @@ from qklab.diagnostics.monitor import probe_batch, snapshot, summarise
 from qklab.diagnostics.retrieval import retrieval_test
 from qklab.diagnostics.sensitivity import SCALES, magnitude_sensitivity
 from qklab.diagnostics.series import head_series
-from qklab.train.checkpoint import complete_checkpoints, latest_checkpoint, load_checkpoint
+from qklab.train.checkpoint import complete_checkpoints, is_sharded, latest_checkpoint, load_checkpoint
 
 CONFIG_KEYS = ("model", "qk", "data", "train", "preset")
 SCHEMA = "qklab.probes/2"
@@ -49,7 +49,7 @@ def resolve_target(path: str | Path) -> Target:
         raise ProbeError(f"{p}: no such run or checkpoint folder")
     if not p.is_dir():
         raise ProbeError(f"{p}: not a folder; give a run folder (runs/<name>) or a checkpoint (ckpt/step_*)")
-    if (p / "model.safetensors").is_file():
+    if (p / "model.safetensors").is_file() or is_sharded(p):
         if not (p / "state.pt").is_file():
             raise ProbeError(f"{p}: incomplete checkpoint (no state.pt)")
         run_dir = p.parent.parent if p.parent.name == "ckpt" else None
@@ -71,7 +71,7 @@ def load_run_config(target: Target) -> RunConfig:
         except json.JSONDecodeError as e:
             raise ProbeError(f"{cfg_file}: not valid JSON ({e})") from None
     else:
-        raw = torch.load(target.ckpt / "state.pt", weights_only=False).get("config")
+        raw = torch.load(target.ckpt / "state.pt", weights_only=False, map_location="cpu").get("config")
         if not isinstance(raw, dict):
             raise ProbeError(f"{target.ckpt}: no config.json next to it and none saved in state.pt")
     raw = {k: raw[k] for k in CONFIG_KEYS if k in raw}

@@ -5,6 +5,7 @@ and ``model/`` never import it (controllers receive an optional reduce function 
 """
 
 from qklab.dist.context import DistContext, launched
+from qklab.dist.dcp import load_sharded, save_sharded
 from qklab.dist.fsdp import (
     all_finite,
     clip_grad_norm,
@@ -19,5 +20,5 @@ from qklab.dist.muon import ShardedMuon
 from qklab.dist.wrap import RankSlice, wrap_ddp
 
 __all__ = ["DistContext", "RankSlice", "ShardedMuon", "all_finite", "clip_grad_norm", "full_state", "launched",
-           "load_full",
+           "load_full", "load_sharded", "save_sharded",
            "set_grad_sync", "shard_model", "sync_replicated_grads", "to_index", "wrap_ddp"]

@@ -91,12 +91,20 @@ class DistContext:
         t = torch.tensor([1.0 if flag else 0.0], device=self._comm_device())
         return bool(self.reduce(t, "max").item() > 0)
 
-    def agree(self, error: BaseException | None) -> None:
+    def agree(self, error: BaseException | None, what: str = "failed to start") -> None:
         """A step every rank takes together: when some rank failed (``error``), the others stop too, with
         one line pointing at the rank that says what went wrong."""
         if self.any(error is not None) and error is None:
-            raise ConfigError("another process of this run failed to start; its message is above (rank 0 "
+            raise ConfigError(f"another process of this run {what}; its message is above (rank 0 "
                               "prints it, or the launcher's log of the failing rank)")
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (a small picklable value, e.g. a folder name)."""
+        if not self.active:
+            return obj
+        box = [obj]
+        tdist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def barrier(self) -> None:
         if self.active:

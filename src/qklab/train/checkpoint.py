@@ -2,7 +2,10 @@
 
 A checkpoint is a folder ``ckpt/step_XXXXXXX/`` holding ``model.safetensors`` (weights), ``state.pt``
 (optimizer, controller, data-loader and RNG state, step, config) and ``manifest.json`` (the size and
-sha256 of each of the two). It is written under a temporary name, every file is fsynced, and only then
+sha256 of each file). A sharded checkpoint (``train.ckpt_format=sharded``, ``qklab.dist.dcp``) holds the
+weights and optimizer states in ``dcp/``, written by every rank, instead of ``model.safetensors``.
+
+A checkpoint is written under a temporary name, every file is fsynced, and only then
 is the folder renamed into place and the ``latest`` pointer replaced (also by rename). A process killed
 at any moment leaves the previous checkpoint intact; a failed write (a full disk) removes its temporary
 folder, and temporary folders of dead writers are removed before the next write.
@@ -31,11 +34,12 @@ from qklab.atomic import atomic_write_text, fsync_dir, fsync_file, pid_alive
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
-FILES = ("model.safetensors", "state.pt")
+FILES = ("model.safetensors", "state.pt")  # a consolidated checkpoint's data files
+WEIGHTS, STATE, SHARDS = FILES[0], FILES[1], "dcp/.metadata"  # SHARDS: a sharded checkpoint's index
 
 __all__ = ["CheckpointError", "atomic_write_text", "save_checkpoint", "latest_checkpoint", "newest_usable",
            "load_checkpoint", "read_state", "load_weights", "verify_checkpoint", "complete_checkpoints",
-           "remove_stale_temps"]
+           "remove_stale_temps", "staging_dir", "is_sharded"]
 
 
 class CheckpointError(ValueError):
@@ -50,23 +54,41 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def save_checkpoint(ckpt_dir: Path, step: int, model: nn.Module, state: dict[str, Any], keep: int = 2) -> Path:
+def staging_dir(ckpt_dir: Path, step: int, pid: int | None = None) -> Path:
+    """The temporary folder a checkpoint of ``step`` is written into by the process ``pid`` (rank 0)."""
+    return ckpt_dir / f".tmp-{PREFIX}{step:07d}-{os.getpid() if pid is None else pid}"
+
+
+def is_sharded(path: Path) -> bool:
+    """True for a checkpoint whose weights are DCP shards (``dcp/``) rather than ``model.safetensors``."""
+    return (path / SHARDS).is_file()
+
+
+def save_checkpoint(ckpt_dir: Path, step: int, model: nn.Module | None, state: dict[str, Any], keep: int = 2,
+                    staged: Path | None = None) -> Path:
+    """Write ``model`` (safetensors) and ``state``, or add ``state`` to the shards every rank already wrote
+    into ``staged`` (``model`` None), then publish the folder by rename. Nothing half-written stays."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(ckpt_dir)
+    if staged is None:  # (a staged folder's writer cleared the old temporaries before staging)
+        remove_stale_temps(ckpt_dir)
     final = ckpt_dir / f"{PREFIX}{step:07d}"
-    tmp = ckpt_dir / f".tmp-{PREFIX}{step:07d}-{os.getpid()}"
+    tmp = staged or staging_dir(ckpt_dir, step)
     old = ckpt_dir / f".old-{PREFIX}{step:07d}-{os.getpid()}"
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        save_model(model, str(tmp / FILES[0]))
-        torch.save({**state, "step": step}, tmp / FILES[1])
-        manifest = {"step": step, "files": {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)}
-                                            for n in FILES}}
+        if staged is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        if model is not None:
+            save_model(model, str(tmp / WEIGHTS))
+        torch.save({**state, "step": step}, tmp / STATE)
+        files = sorted(f for f in tmp.rglob("*") if f.is_file())
+        manifest = {"step": step, "files": {f.relative_to(tmp).as_posix(): {"bytes": f.stat().st_size,
+                                                                            "sha256": _sha256(f)} for f in files}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        for f in tmp.iterdir():
+        for f in [*files, tmp / MANIFEST]:
             fsync_file(f)
-        fsync_dir(tmp)
+        for d in {f.parent for f in files}:
+            fsync_dir(d)
         if final.exists():  # re-saving a step: move the old copy aside first (a folder cannot be replaced)
             os.replace(final, old)
         os.replace(tmp, final)
@@ -106,24 +128,34 @@ def remove_stale_temps(ckpt_dir: Path) -> list[Path]:
 
 
 def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
-    """Checkpoint folders holding both data files, oldest first (not verified; see verify_checkpoint)."""
-    found = [p for p in ckpt_dir.glob(f"{PREFIX}*") if all((p / n).is_file() for n in FILES)]
+    """Checkpoint folders holding their state and weights, oldest first (not verified; see verify_checkpoint)."""
+    found = [p for p in ckpt_dir.glob(f"{PREFIX}*") if not _missing(p)]
     return sorted(found, key=lambda p: p.name)
+
+
+def _missing(path: Path) -> list[str]:
+    weights = [] if (path / WEIGHTS).is_file() or is_sharded(path) else [WEIGHTS]
+    return [*weights, *([] if (path / STATE).is_file() else [STATE])]
 
 
 def verify_checkpoint(path: Path) -> str | None:
     """None when every file matches the manifest; otherwise what is wrong, in a few words."""
-    missing = [n for n in FILES if not (path / n).is_file()]
+    missing = _missing(path)
     if missing:
         return f"{', '.join(missing)} missing"
     if not (path / MANIFEST).is_file():
         return None  # written before manifests: accepted unverified
     try:
         files = json.loads((path / MANIFEST).read_text())["files"]
-        want = {n: (int(files[n]["bytes"]), str(files[n]["sha256"])) for n in FILES}
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        want = {n: (int(f["bytes"]), str(f["sha256"])) for n, f in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"{MANIFEST} unreadable ({type(e).__name__})"
+    unlisted = [n for n in (WEIGHTS, STATE, SHARDS) if (path / n).is_file() and n not in want]
+    if unlisted:
+        return f"{', '.join(unlisted)} not in the manifest"
     for n, (size, sha) in want.items():
+        if not (path / n).is_file():
+            return f"{n} missing"
         got = (path / n).stat().st_size
         if got != size:
             return f"{n} has {got} bytes, the manifest says {size} (truncated?)"
@@ -186,7 +218,7 @@ def read_state(path: Path) -> dict[str, Any]:
     if problem is not None:
         raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
     try:
-        state = torch.load(path / FILES[1], weights_only=False, map_location="cpu")  # a GPU run's, anywhere
+        state = torch.load(path / STATE, weights_only=False, map_location="cpu")  # a GPU run's, anywhere
     except Exception as e:  # unpickling a damaged legacy file can raise nearly anything
         raise CheckpointError(f"checkpoint {path} is damaged: state.pt does not load ({type(e).__name__})") from None
     if not isinstance(state, dict) or "step" not in state:
@@ -195,9 +227,15 @@ def read_state(path: Path) -> dict[str, Any]:
 
 
 def load_weights(path: Path, model: nn.Module) -> None:
-    """Load ``model.safetensors`` into ``model`` (strict: every tensor, every shape)."""
+    """Load the checkpoint's weights into ``model``, from ``model.safetensors`` or from the DCP shards of a
+    sharded checkpoint (strict: every tensor, every shape)."""
     try:
-        load_model(model, str(path / FILES[0]), strict=True)
+        if is_sharded(path):
+            from qklab.dist.dcp import DCP_DIR, load_sharded_weights
+
+            load_sharded_weights(path / DCP_DIR, model)
+        else:
+            load_model(model, str(path / WEIGHTS), strict=True)
     except Exception as e:  # shapes that do not fit (RuntimeError), a damaged unverified file (SafetensorError)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {path}: weights do not fit the model ({first[:200]})") from None

@@ -5,9 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import platform
 import random
-import subprocess
+import shutil
 import time
 import traceback
 from dataclasses import dataclass
@@ -20,71 +19,36 @@ from tqdm import tqdm
 
 from qklab import dist as qdist
 from qklab.atomic import atomic_write_text
-from qklab.config import ConfigError, RunConfig, check_run_name, comparable, resume_changes
+from qklab.config import ConfigError, RunConfig, comparable
 from qklab.data import DataError, PreparedData, TokenLoader, prepare_data
 from qklab.data.retrieval import train_loader
 from qklab.diagnostics.monitor import AttentionMonitor
 from qklab.diagnostics.stability import NonFiniteError, SpikeDetector
 from qklab.dist import DistContext, RankSlice, wrap_ddp
+from qklab.dist.dcp import DCP_DIR
 from qklab.methods import CONTROLLERS
 from qklab.model import GPT
 from qklab.train.checkpoint import (
     CheckpointError,
     complete_checkpoints,
+    is_sharded,
     latest_checkpoint,
     load_weights,
     newest_usable,
     remove_stale_temps,
     save_checkpoint,
+    staging_dir,
 )
 from qklab.train.evaluate import eval_loss, max_attention_logits
 from qklab.train.metrics import MetricsLog
 from qklab.train.optim import build_optimizer, lr_mult, set_lr
 from qklab.train.runfolder import RunFolder
+from qklab.train.runinfo import check_resume_config, git_sha, pick_device, run_name, versions
 from qklab.train.signals import RunInterrupted, StopSignals
 from qklab.train.trackers import build_trackers
 
 # mistakes the user can fix, reported in one line; any other exception is a bug in qklab
 USER_ERRORS = (ConfigError, DataError, CheckpointError, OSError, NonFiniteError, RunInterrupted)
-
-
-def git_sha() -> str:
-    root = Path(__file__).resolve().parents[3]
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10)
-        if sha.returncode != 0:
-            return "unknown"
-        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def versions() -> dict[str, str]:
-    import safetensors
-    import tokenizers
-
-    import qklab
-    return {"qklab": qklab.__version__, "torch": torch.__version__, "numpy": np.__version__,
-            "tokenizers": tokenizers.__version__, "safetensors": safetensors.__version__,
-            "python": platform.python_version()}
-
-
-def pick_device(spec: str) -> torch.device:
-    if spec == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but no CUDA device is available; use train.device=cpu or auto")
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(spec)
-
-
-def run_name(cfg: RunConfig) -> str:
-    if cfg.train.name:
-        return check_run_name(cfg.train.name)
-    qk = cfg.qk.method + ("" if cfg.qk.controller == "none" else f"+{cfg.qk.controller}")
-    return check_run_name(f"{cfg.preset or 'run'}-{qk}-s{cfg.train.seed}", "the run name derived from the preset "
-                          "(set train.name)")
 
 
 @dataclass
@@ -145,7 +109,7 @@ class Trainer:
         if resume and found is None:
             raise ConfigError(f"--resume: no usable checkpoint in {self.ckpt_dir}; start the run without --resume")
         if found is not None:
-            self._check_resume_config(found[1].get("config") or {}, found[1].get("world", 1))
+            check_resume_config(cfg, found[1].get("config") or {}, found[1].get("world", 1), self.dist.world)
         if not resume and not overwrite and complete_checkpoints(self.ckpt_dir):
             raise ConfigError(f"run folder {self.run_dir} already has checkpoints; pass --resume to continue "
                               "it, --overwrite to start again, or set train.name")
@@ -180,6 +144,8 @@ class Trainer:
                         if t.diag_every else None)  # attention diagnostics; None: off
         self.spikes = SpikeDetector()
         self.step, self.skipped, self._saved_at = 0, 0, -1
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # steps not read yet (flush)
+        self._bar = None  # the progress bar while run() runs
         if found is not None:
             self._restore(*found)
             self._say(f"resumed {self.run_dir} at step {self.step} from {found[0].name}")
@@ -235,26 +201,10 @@ class Trainer:
                 "spikes": self.spikes.state_dict(), "skipped": self.skipped, "config": comparable(self.cfg),
                 "world": self.dist.world}
 
-    def _check_resume_config(self, saved: dict[str, Any], saved_world: int = 1) -> None:
-        now = comparable(self.cfg)
-        b_saved, b_now = saved.get("train", {}).get("batch_size"), now["train"]["batch_size"]
-        if b_saved is None or saved_world == self.dist.world:
-            pass  # the usual comparison names a changed batch_size
-        elif b_saved * saved_world != b_now * self.dist.world:
-            raise ConfigError(f"--resume with a changed global batch: {saved_world} process(es) x train.batch_size="
-                              f"{b_saved} -> {self.dist.world} x {b_now}; keep processes x train.batch_size at "
-                              f"{b_saved * saved_world}")
-        else:
-            now["train"]["batch_size"] = b_saved  # the same global batch on another number of processes
-        if now["model"]["vocab_size"] == 0:  # not filled in from the tokenizer yet; checked against it later
-            now["model"]["vocab_size"] = saved.get("model", {}).get("vocab_size", 0)
-        changes = resume_changes(saved, now)
-        if changes:
-            raise ConfigError(f"--resume with a changed config: {'; '.join(changes)}. These cannot change within a "
-                              "run; undo the change, or start a new run with another train.name")
-
     def _restore(self, path: Path, state: dict[str, Any]) -> None:
-        if self.sharded:  # every rank reads the consolidated checkpoint and keeps its shards
+        if is_sharded(path):  # DCP: each rank reads the pieces it holds, whatever wrote them
+            qdist.load_sharded(path / DCP_DIR, self.model, self.optimizers)
+        elif self.sharded:  # every rank reads the consolidated checkpoint and keeps its shards
             whole = self._cpu_model()
             load_weights(path, whole)
             qdist.load_full(self.model, self.optimizers, whole.state_dict(), state["optimizers"])
@@ -295,6 +245,7 @@ class Trainer:
         return self.monitor.measure(whole.to(self.device), self.step)
 
     def save(self) -> Path:
+        self.flush()  # a non-finite step since the last flush ends the run before anything is saved
         params = list(self.model.parameters())
         finite = qdist.all_finite(params, self.dist) if self.sharded else \
             all(bool(torch.isfinite(p).all()) for p in params)
@@ -303,6 +254,8 @@ class Trainer:
             raise NonFiniteError(f"weights are non-finite at step {self.step}; no checkpoint written, the last good "
                                  f"one is {latest_checkpoint(self.ckpt_dir) or 'none'}")
         path, failed, model, state = self.ckpt_dir / f"step_{self.step:07d}", None, self.model, None
+        if self.ckpt_sharded:  # DCP: every rank writes its shards into rank 0's staging folder
+            return self._save_sharded()
         if self.sharded:  # gathered into full CPU tensors on rank 0: one consolidated checkpoint
             weights, optim = qdist.full_state(self.model, self.optimizers)
             state = {**self._state(), "optimizers": optim}  # on every rank: a controller may reduce
@@ -321,9 +274,48 @@ class Trainer:
         self._saved_at = self.step
         return path
 
+    @property
+    def ckpt_sharded(self) -> bool:
+        """Checkpoints as DCP shards: train.ckpt_format=sharded, or auto under FSDP2 on 2+ processes."""
+        fmt = self.cfg.train.ckpt_format
+        return fmt == "sharded" or (fmt == "auto" and self.sharded)
+
+    def _save_sharded(self) -> Path:
+        state = {**self._state(), "optimizers": None}  # the optimizers' states are in the shards
+        staged = None
+        if self.dist.is_main:
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            remove_stale_temps(self.ckpt_dir)
+            staged = staging_dir(self.ckpt_dir, self.step)
+            shutil.rmtree(staged, ignore_errors=True)
+            staged.mkdir()
+        staged = self.dist.broadcast(staged)
+        path, failed = self.ckpt_dir / f"step_{self.step:07d}", None
+        try:
+            qdist.save_sharded(staged / DCP_DIR, self.model, self.optimizers)  # a collective
+        except BaseException as e:
+            failed = e
+        if self.dist.is_main:
+            try:
+                if failed is not None:
+                    shutil.rmtree(staged, ignore_errors=True)
+                else:
+                    path = save_checkpoint(self.ckpt_dir, self.step, None, state, keep=self.cfg.train.keep_ckpts,
+                                           staged=staged)
+            except BaseException as e:
+                failed = e
+        self.dist.agree(failed, "failed to write its checkpoint")
+        if failed is not None:
+            raise failed
+        self._saved_at = self.step
+        return path
+
     # ------------------------------------------------------------------------------------------------
-    def train_step(self) -> tuple[float, float]:
-        """One optimizer step (with accumulation); returns (mean loss, grad norm before clipping)."""
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step (with accumulation); returns the mean loss and the gradient norm before
+        clipping as 0-dim float64 device tensors, left unread: reading them is a host synchronisation,
+        which ``flush`` does once for all the steps since the last one, at the logging cadence. Only
+        train.nonfinite=skip reads them here, as it must decide before applying the step."""
         t = self.cfg.train
         set_lr(self.optimizers, lr_mult(self.step, t))
         total = torch.zeros((), dtype=torch.float64, device=self.device)  # summed on the device: no host sync
@@ -342,20 +334,44 @@ class Trainer:
         else:
             gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         mean = self.dist.reduce(total / t.grad_accum) / self.dist.world  # every rank decides on the same loss
-        loss, gn = torch.stack([mean, gnorm.detach().double()]).tolist()  # the step's one host sync
-        if math.isfinite(loss) and math.isfinite(gn):
+        gnorm = gnorm.detach().double()
+        apply = True  # stop: a non-finite step is found at the next flush, before anything is saved
+        if t.nonfinite == "skip":
+            loss, gn = torch.stack([mean, gnorm]).tolist()  # skip decides now: a host sync every step
+            apply = math.isfinite(loss) and math.isfinite(gn)
+        if apply:
             self.controller.before_step(self.step)
             for opt in self.optimizers:
                 opt.step()
             self.controller.after_step(self.step)
         else:
-            self._nonfinite(loss, gn)  # raises under train.nonfinite=stop; skip: the step is not applied
+            self._nonfinite(loss, gn, self.step + 1)  # logs it; the step is not applied
             self.controller.skip_step(self.step)
             self.skipped += 1
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self.step += 1
-        return loss, gn
+        self._pending.append((self.step, mean, gnorm))
+        return mean, gnorm
+
+    def flush(self) -> list[tuple[int, float, float]]:
+        """Read the (step, loss, grad norm) of every step since the last flush in one host sync, end the
+        run at the first non-finite one (train.nonfinite=stop) and feed the spike detector in step order."""
+        if not self._pending:
+            return []
+        steps = [s for s, _, _ in self._pending]
+        values = torch.stack([torch.stack([m, g]) for _, m, g in self._pending]).tolist()  # (n, 2)
+        self._pending = []
+        out = [(s, loss, gn) for s, (loss, gn) in zip(steps, values, strict=True)]
+        for s, loss, gn in out:
+            if self.cfg.train.nonfinite == "stop" and not (math.isfinite(loss) and math.isfinite(gn)):
+                self._nonfinite(loss, gn, s)  # raises
+            spike = self.spikes.update(loss)
+            if spike is not None:
+                self.metrics.log(s, event="loss_spike", **spike)
+                self._note(self._bar, f"step {s}: loss spike {loss:.3f}, {spike['sigmas']:.1f} sigma above "
+                                      "the window")
+        return out
 
     def _accumulating(self, more: bool):
         """DDP, FSDP2: no gradient reduction on the micro-batches before the last of a step."""
@@ -365,14 +381,14 @@ class Trainer:
             return self.wrapped.no_sync()
         return contextlib.nullcontext()
 
-    def _nonfinite(self, loss: float, gnorm: float) -> None:
+    def _nonfinite(self, loss: float, gnorm: float, step: int) -> None:
         what = "loss" if not math.isfinite(loss) else "gradient"
-        policy, step = self.cfg.train.nonfinite, self.step + 1
+        policy = self.cfg.train.nonfinite
         self.metrics.log(step, event=f"nonfinite_{policy}", loss=loss, grad_norm=gnorm)
         if policy == "stop":
-            raise NonFiniteError(f"non-finite {what} at step {step} (loss {loss}, grad norm {gnorm}); stopped without "
-                                 f"applying it (train.nonfinite=stop). Last good checkpoint: "
-                                 f"{latest_checkpoint(self.ckpt_dir) or 'none'}; lower train.lr or set "
+            raise NonFiniteError(f"non-finite {what} at step {step} (loss {loss}, grad norm {gnorm}); stopped, and "
+                                 "no weights of that step or later were saved (train.nonfinite=stop). Last good "
+                                 f"checkpoint: {latest_checkpoint(self.ckpt_dir) or 'none'}; lower train.lr or set "
                                  "train.nonfinite=skip, then continue with --resume")
         self.log(f"step {step}: non-finite {what}; step skipped (train.nonfinite=skip)")
 
@@ -392,44 +408,50 @@ class Trainer:
         last = {}
         tps_hist: list[float] = []
         stop = StopSignals()  # SIGTERM / SIGINT: checkpoint at the next step boundary, then RunInterrupted
+        # a signal is checked after every step where that costs no device sync, else at each flush
+        signals_every_step = not self.dist.active or self.device.type == "cpu"
         try:
             stop.install()
+            self._bar = bar
             if self.monitor is not None:  # the reference for the first logit change; logged at step 0 only
                 base = self._diagnose()
                 if self.step == 0:
                     self.metrics.log(0, diag=base)
+            t0, s0 = time.perf_counter(), self.step
             while self.step < t.steps:
-                t0 = time.perf_counter()
-                loss, gnorm = self.train_step()
-                dt = time.perf_counter() - t0
-                tps = tokens_per_step / dt
-                tps_hist.append(tps)
+                self.train_step()
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
-                spike = self.spikes.update(loss)
-                if spike is not None:
-                    self.metrics.log(self.step, event="loss_spike", **spike)
-                    self._note(bar, f"step {self.step}: loss spike {loss:.3f}, {spike['sigmas']:.1f} sigma above "
-                                    "the window")
+                end = self.step == t.steps
+                at_log, at_eval = self.step % t.log_every == 0 or end, self.step % t.eval_every == 0 or end
+                at_diag = self.monitor is not None and (self.step % t.diag_every == 0 or end)
+                at_ckpt = bool(t.ckpt_every and self.step % t.ckpt_every == 0) or end
+                synced = at_log or at_eval or at_diag or at_ckpt
                 rec: dict[str, Any] = {}
-                if self.step % t.log_every == 0 or self.step == t.steps:
+                if synced:
+                    _, loss, gnorm = self.flush()[-1]  # the one host sync of these steps
+                    tps = tokens_per_step * (self.step - s0) / (time.perf_counter() - t0)  # over train steps only
+                    tps_hist.append(tps)
+                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
+                if at_log:
                     rec.update(loss=loss, grad_norm=gnorm, lr=self.optimizers[0].param_groups[0]["lr"],
                                tokens_per_s=tps, tokens=self.step * tokens_per_step, **self.controller.metrics())
-                if self.step % t.eval_every == 0 or self.step == t.steps:
+                if at_eval:
                     last = self.evaluate()
                     rec.update(last)
-                    if self.step == t.steps:  # the report split is read once, at the end
+                    if end:  # the report split is read once, at the end
                         rec["report_loss"] = eval_loss(self.model, self.report_batches, self.device, self.autocast)
                     self._note(bar, f"step {self.step}: val_loss {last['val_loss']:.4f}  "
                                     f"max_logit {last['max_logit']:.2f}")
-                if self.monitor is not None and (self.step % t.diag_every == 0 or self.step == t.steps):
+                if at_diag:
                     rec["diag"] = self._diagnose()
                 if rec:
                     self.metrics.log(self.step, **rec)
-                if (t.ckpt_every and self.step % t.ckpt_every == 0) or self.step == t.steps:
+                if at_ckpt:
                     self.save()
-                if self.dist.any(stop.received is not None):  # all ranks stop at the same step
-                    self._stop_on_signal(stop.name or "SIGTERM", stop.received or 15)
+                if (synced or signals_every_step) and self.dist.any(stop.received is not None):
+                    self._stop_on_signal(stop.name or "SIGTERM", stop.received or 15)  # all ranks at one step
+                if synced:
+                    t0, s0 = time.perf_counter(), self.step
         except Exception as e:  # the whole story goes to the run's log; the CLI prints one line or the traceback
             trace = "" if isinstance(e, USER_ERRORS) else "\n" + traceback.format_exc()
             self._say(f"ended at step {self.step}: {type(e).__name__}: {e}{trace}", echo=False)
@@ -437,6 +459,7 @@ class Trainer:
             raise
         finally:
             stop.restore()
+            self._bar = None
             bar.close()
             self.close()
         if not last:
@@ -449,7 +472,7 @@ class Trainer:
 
     def _note(self, bar, msg: str) -> None:
         if self.dist.is_main:  # rank 0 speaks for the run
-            bar.write(msg)
+            (bar.write if bar is not None else self.log)(msg)
 
     def _stop_on_signal(self, name: str, signum: int) -> None:
         path = self.save() if self._saved_at != self.step else self.ckpt_dir / f"step_{self.step:07d}"
