@@ -122,3 +122,14 @@ def check_against_one(tmp: Path, refs: dict[str, dict], name: str, parallel: str
     atol = 2e-3 if "muon" in name else 1e-5
     for k, w in saved.items():
         torch.testing.assert_close(w, refs[name][k], rtol=1e-4, atol=atol, msg=f"{k} vs one process")
+
+
+def assert_ranks_equal(tmp: Path, run: str, mode: str) -> None:
+    """What both ranks hold whole is equal on both: every tensor under DDP; under FSDP2 the vectors and the
+    QK methods' parameters (QK-MAP's temperature, which QK-clip scales)."""
+    suffix = "" if mode == "ddp" else "-whole"
+    w0 = torch.load(tmp / f"{run}{suffix}-rank0.pt")
+    w1 = torch.load(tmp / f"{run}{suffix}-rank1.pt")
+    assert w0 and w0.keys() == w1.keys()
+    for k in w0:
+        assert torch.equal(w0[k], w1[k]), f"{k} differs between ranks"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qklab.train.metrics import read_metrics
-from tests.dist.common import check_against_one, run_cases
+from tests.dist.common import assert_ranks_equal, check_against_one, run_cases
 
 CASES = {
     "ddp": {
@@ -58,12 +58,7 @@ def test_matches_one_process(runs, mode, name):
     check_against_one(tmp, refs, name, mode)
     # DDP: every tensor; FSDP2: vectors and QK-method parameters (QK-MAP's temperature, which QK-clip
     # scales), kept whole on every rank. QK-clip reduces its max logits over the ranks: one clip everywhere
-    suffix = "" if mode == "ddp" else "-whole"
-    w0 = torch.load(tmp / f"{name}-{mode}{suffix}-rank0.pt")
-    w1 = torch.load(tmp / f"{name}-{mode}{suffix}-rank1.pt")
-    assert w0 and w0.keys() == w1.keys()
-    for k in w0:
-        assert torch.equal(w0[k], w1[k]), f"{k} differs between ranks"
+    assert_ranks_equal(tmp, f"{name}-{mode}", mode)
 
 
 def _diag(tmp, name):
