@@ -152,6 +152,11 @@ def test_chunked_max_logit_equals_direct():
     # decode-style offsets: 5 queries against 300 keys
     want5 = s[:, :, -5:].masked_fill(~causal_mask(5, 300, q.device), float("-inf")).amax(dim=(0, 2, 3))
     torch.testing.assert_close(head_max_logit(q[:, :, -5:], k, 0.3), want5)
+    for chunk in (1, 7, 32, 300, 512):  # chunks that do not divide T, one row, one chunk, wider than T
+        torch.testing.assert_close(head_max_logit(q, k, 0.3, chunk=chunk), want)
+    # a logits rewrite (soft-capping) applied to the scaled logits before the max
+    cap = lambda x: 2.0 * torch.tanh(x / 2.0)  # noqa: E731
+    torch.testing.assert_close(head_max_logit(q, k, 0.3, cap, chunk=48), cap(want))
 
 
 @pytest.mark.parametrize("n_kv", [0, 2])

@@ -1,7 +1,8 @@
 """Causal self-attention (MHA and GQA) with a pluggable QK method.
 
 Two paths compute the same thing:
-* fast: ``F.scaled_dot_product_attention`` (never used when the method rewrites logits);
+* fast: ``F.scaled_dot_product_attention`` (never used when the method rewrites logits), or on CUDA
+  while QK-clip tracks the max logit, FlexAttention, which returns it (``qklab.model.flex``);
 * eager: explicit logits -> method.logits -> mask -> softmax, which also lets diagnostics read the
   pre-softmax logits (set ``attn.capture = {}`` and read ``capture["logits"]``, ``capture["probs"]``).
 """
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qklab.methods import METHODS, AttnShape, QKMethod
+from qklab.model.flex import flex_causal_with_max, flex_usable
 from qklab.model.rope import Rope
 
 
@@ -53,20 +55,31 @@ def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 
 @torch.no_grad()
-def head_max_logit(q: torch.Tensor, k: torch.Tensor, scale: float, logits_fn=None, chunk: int = 128) -> torch.Tensor:
-    """Per-head max over batch, queries and allowed keys of the pre-softmax logit, (H,), computed in
-    query chunks so that at most (B, H, chunk, Tk) logits exist at a time. q (B, H, Tq, F), k (B, Hkv, Tk, F)."""
+def head_max_logit(q: torch.Tensor, k: torch.Tensor, scale: float, logits_fn=None, chunk: int = 32) -> torch.Tensor:
+    """Per-head max over batch, queries and allowed keys of the pre-softmax logit, (H,); q (B, H, Tq, F),
+    k (B, Hkv, Tk, F), queries aligned with the last Tq keys. ``logits_fn``: a method's rewrite of the
+    scaled logits (None: none, and the scale is applied to the max alone, which is exact for scale > 0).
+
+    In query chunks of ``chunk`` rows, each against the keys its queries may see: the keys before the
+    chunk, seen by all of its queries (no mask), and the chunk's own causal triangle. So at most
+    (B, H, chunk, Tk) logits exist at a time, and the pass does about half the work of a full QK^T."""
     H, Tq, Tk = q.shape[1], q.shape[2], k.shape[2]
     if k.shape[1] != H:
         k = k.repeat_interleave(H // k.shape[1], dim=1)  # (B, H, Tk, F)
+    kt = k.transpose(-2, -1)  # (B, H, F, Tk)
+    tri = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     best = torch.full((H,), float("-inf"), device=q.device)
     for i in range(0, Tq, chunk):
-        s = (q[:, :, i : i + chunk] @ k.transpose(-2, -1)) * scale  # (B, H, c, Tk)
+        c = min(chunk, Tq - i)
+        lo, end = Tk - Tq + i, Tk - Tq + i + c  # keys [0, lo) seen by every query; [lo, end) by some
+        s = q[:, :, i : i + c] @ kt[..., :end]  # (B, H, c, end)
         if logits_fn is not None:
-            s = logits_fn(s)
-        mask = causal_mask(Tq, Tk, q.device)[i : i + chunk]  # (c, Tk)
-        best = torch.maximum(best, s.float().masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3)))
-    return best
+            s = logits_fn(s * scale)
+        if lo > 0:
+            best = torch.maximum(best, s[..., :lo].amax(dim=(0, 2, 3)).float())
+        diag = s[..., lo:end].masked_fill(~tri[:c, :c], float("-inf"))  # (B, H, c, c)
+        best = torch.maximum(best, diag.amax(dim=(0, 2, 3)).float())
+    return best if logits_fn is not None else best * scale
 
 
 class MaxLogitTracker:
@@ -121,11 +134,14 @@ class Attention(nn.Module, MaxLogitTracker):
         if cache is not None:
             k, v = cache.append(k, v)  # (B, Hkv, L, F), (B, Hkv, L, D)
         scale = self.qk.scale(q.shape[-1])
-        if self.tracking and not self.use_eager:
-            self._track(head_max_logit(q, k, scale, self.qk.logits))
         if self.use_eager:
-            y = self.eager(q, k, v, scale)
+            y = self.eager(q, k, v, scale)  # tracks the max logit from its own logits
+        elif self.tracking and flex_usable(q, k, v):  # CUDA: the max logit from the attention kernel
+            y, m = flex_causal_with_max(q, k, v, scale, gqa=self.n_kv_heads != self.n_heads)
+            self._track(m)
         else:
+            if self.tracking:  # a second, chunked QK^T pass
+                self._track(head_max_logit(q, k, scale))  # logits not rewritten on this path
             y = self.sdpa(q, k, v, scale)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
         return self.wo(y)

@@ -47,6 +47,7 @@ from torch import nn
 from qklab.config import ConfigError
 from qklab.methods import METHODS, AttnShape, QKMethod
 from qklab.model.attention import KVCache, MaxLogitTracker, causal_mask, head_max_logit, sdpa_causal
+from qklab.model.flex import flex_causal_with_max, flex_usable
 from qklab.model.rope import Rope
 
 LATENT_PATHS = ("auto", "absorbed", "materialised")
@@ -265,8 +266,12 @@ class MLAttention(nn.Module, MaxLogitTracker):
     # --- attention on materialised q, k, v ---------------------------------------------------------
     def _attend(self, q, k, v, scale: float) -> torch.Tensor:
         """q (B, H, Tq, F), k (B, H, Tk, F), v (B, H, Tk, Dv) -> (B, H, Tq, Dv)."""
+        if not self.use_eager and self.tracking and flex_usable(q, k, v):  # CUDA: max logit from the kernel
+            y, m = flex_causal_with_max(q, k, v, scale)
+            self._track(m)
+            return y
         if self.tracking:
-            self._track(head_max_logit(q, k, scale, self.qk.logits))
+            self._track(head_max_logit(q, k, scale, self.qk.logits if self.qk.modifies_logits else None))
         if not self.use_eager:
             return sdpa_causal(q, k, v, scale)
         p = self._probs((q @ k.transpose(-2, -1)) * scale)  # (B, H, Tq, Tk)
