@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from qklab.cli import main
-from qklab.study.result import write_json_atomic
+from qklab.study.result import read_result, write_json_atomic
 from tests.study.synthetic import result
 
 
@@ -39,3 +39,36 @@ def test_status_lists_done_and_todo(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].split()[:2] == ["a_lr1_s0", "done"] and out[1].split()[:2] == ["a_lr1_s1", "todo"]
     assert out[-1].startswith("st: 1/2 cells done")
+
+
+def test_cell_hash_ignores_defaults_and_upgrades_legacy_results(tmp_path, monkeypatch):
+    """A key set to its default hashes as unset, so a key added later at its default leaves committed
+    results valid; a result with the hash of before (every key) counts as done and is upgraded."""
+    from qklab.config import RunConfig, load_config
+    from qklab.study.runner import _cell_cfg, cell_status
+    from qklab.study.spec import cell_hash, legacy_cell_hash, load_study
+
+    plain = load_config("tiny", [])
+    assert cell_hash(load_config("tiny", ["train.nonfinite=stop"])) == cell_hash(plain)  # the default
+    assert cell_hash(load_config("tiny", ["train.nonfinite=skip"])) != cell_hash(plain)
+    assert cell_hash(load_config("tiny", ["train.out_dir=elsewhere", "train.threads=3"])) == cell_hash(plain)
+    before = cell_hash(plain)
+    to_dict = RunConfig.to_dict
+    monkeypatch.setattr(RunConfig, "to_dict", lambda self: {**to_dict(self), "future": {"knob": 1}})
+    assert cell_hash(plain) == before  # a new section, at its default everywhere
+    monkeypatch.undo()
+
+    f = tmp_path / "st.toml"
+    f.write_text('[study]\nconfig = "tiny"\nseeds = [0]\n[variants.a]\n"qk.method" = "none"\n')
+    cell = load_study(f).cells[0]
+    cfg = _cell_cfg(cell, tmp_path / "o", 1)
+    r = result("a", 1.0, 0, 5.0, 5.0)
+    r["cell_hash"] = legacy_cell_hash(cfg)
+    assert r["cell_hash"] != cell_hash(cfg)
+    write_json_atomic(tmp_path / "res" / cell.id / "result.json", r)
+    status, res = cell_status(cell, tmp_path / "res", tmp_path / "o")
+    assert status == "done"
+    assert read_result(tmp_path / "res" / cell.id / "result.json")["cell_hash"] == cell_hash(cfg)
+    r["cell_hash"] = "0" * 16  # another config's
+    write_json_atomic(tmp_path / "res" / cell.id / "result.json", r)
+    assert cell_status(cell, tmp_path / "res", tmp_path / "o")[0] == "stale"

@@ -15,6 +15,7 @@ the CPU threads. Data is prepared once per distinct ``data.*`` config, before an
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -29,7 +30,7 @@ from typing import Any
 from tqdm import tqdm
 
 from qklab.study.result import build_result, cell_header, failed_result, read_result, write_json_atomic
-from qklab.study.spec import Cell, Study, cell_hash
+from qklab.study.spec import Cell, Study, cell_hash, legacy_cell_hash
 
 DONE = ("ok", "diverged")
 STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # a worker's exit codes after RunInterrupted
@@ -70,7 +71,8 @@ def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, pro
         run_dir = Path(cfg.train.out_dir) / cfg.train.name
         mark = run_dir / "cell.json"  # the config hash the run folder was started with
         started = read_result(mark) or {}
-        resume = latest_checkpoint(run_dir / "ckpt") is not None and started.get("cell_hash") == chash
+        resume = latest_checkpoint(run_dir / "ckpt") is not None and \
+            started.get("cell_hash") in (chash, legacy_cell_hash(cfg))
         data = prepare_data(cfg.data)
         # not resumable (no checkpoint, or one of another config): the trainer replaces the cell's run
         # under its own lock, so two study processes never train the same cell at once
@@ -168,9 +170,15 @@ def cell_status(cell: Cell, results: Path, out: Path) -> tuple[str, dict | None]
     res = read_result(results / cell.id / "result.json")
     if res is None or res.get("status") not in DONE:
         return "todo", res
-    if res.get("cell_hash") != cell_hash(_cell_cfg(cell, out, 1)):
-        return "stale", res
-    return "done", res
+    cfg = _cell_cfg(cell, out, 1)
+    if res.get("cell_hash") == cell_hash(cfg):
+        return "done", res
+    if res.get("cell_hash") == legacy_cell_hash(cfg):  # written before hash version 2: upgraded in place
+        res["cell_hash"] = cell_hash(cfg)
+        with contextlib.suppress(OSError):  # a read-only checkout keeps the old hash, which still matches
+            write_json_atomic(results / cell.id / "result.json", res)
+        return "done", res
+    return "stale", res
 
 
 def run_study(study: Study, out: Path, results: Path | None = None, workers: int = 1,

@@ -42,7 +42,7 @@ from qklab.config import ConfigError, RunConfig, _parse_value, load_config
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # keys that do not change what a cell computes (where it writes, how it shows progress, its threads)
 NEUTRAL_KEYS = {("train", "out_dir"), ("train", "name"), ("train", "progress"), ("train", "threads"),
-                ("data", "cache_dir")}
+                ("data", "cache_dir"), ("train", "ckpt_format")}
 
 
 @dataclass
@@ -151,12 +151,35 @@ def _point_sets(point: tuple[tuple[str, Any], ...]) -> list[str]:
     return out
 
 
+HASH_VERSION = 2  # bump when a default value that changes what cells compute changes
+
+
 def cell_hash(cfg: RunConfig) -> str:
-    """Hash of everything that decides what a cell computes (not where it writes or its threads)."""
-    d = cfg.to_dict()
+    """Hash of what decides what a cell computes: every config value that differs from its default, not
+    where it writes or its threads. A config key added later, at a default that keeps the old behaviour,
+    leaves the results of earlier runs valid (a changed default must bump ``HASH_VERSION``)."""
+    d, base = _computing(cfg), _computing(RunConfig())
+    diff: dict[str, Any] = {}
+    for sec, vals in d.items():
+        ref = base.get(sec)
+        if isinstance(vals, dict) and isinstance(ref, dict):
+            vals = {k: v for k, v in vals.items() if k not in ref or ref[k] != v}
+        if vals != ref and vals != {}:  # a section (or top-level value) all at its defaults says nothing
+            diff[sec] = vals
+    blob = json.dumps({"v": HASH_VERSION, **diff}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def legacy_cell_hash(cfg: RunConfig) -> str:
+    """The hash of results written before HASH_VERSION 2: every key, defaults included."""
+    return hashlib.sha256(json.dumps(_computing(cfg), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _computing(cfg: RunConfig) -> dict[str, Any]:
+    d = json.loads(json.dumps(cfg.to_dict(), default=str))  # plain JSON values: tuples as lists
     for sec, key in NEUTRAL_KEYS:
         d[sec].pop(key, None)
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return d
 
 
 def _need(cond: bool, where: str, msg: str) -> None:
