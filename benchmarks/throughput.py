@@ -8,6 +8,7 @@ as a plain loop would; qklab uses the fused kernel, which computes the same upda
 is the CUDA allocator's peak on GPU, and on CPU the peak RSS of a fresh subprocess per model.
 
     python benchmarks/throughput.py --config small [--set qk.method=qknorm] [--steps 10 --rounds 5]
+    python benchmarks/throughput.py --config small --compile   # + qklab under torch.compile, same run
 
 Prints one JSON object.
 """
@@ -157,6 +158,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1, help="timed steps per model per round")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="also time qklab's model under torch.compile (as "
+                    "train.compile=true does), against the same eager reference")
     ap.add_argument("--memory-of", choices=["qklab", "ref"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     cfg = _cfg(args)
@@ -171,6 +174,10 @@ def main() -> None:
 
     torch.manual_seed(0)
     models = {k: build(k, cfg, device) for k in ("qklab", "ref")}
+    if args.compile:  # a second qklab model with the same weights, its forward and backward compiled
+        model, _ = build("qklab", cfg, device)
+        model.load_state_dict(models["qklab"][0].state_dict())
+        models["qklab_compiled"] = (torch.compile(model), build_optimizer(model, cfg.train))
     x, y = _batch(cfg, device)
     for model, opts in models.values():
         for _ in range(args.warmup):
@@ -179,7 +186,7 @@ def main() -> None:
     times = interleaved(fns, args.rounds, args.steps, device)
     tokens = cfg.train.batch_size * cfg.train.seq_len
     med = {k: statistics.median(v) for k, v in times.items()}
-    mem = {k: peak_memory_mb(k, args) for k in models}
+    mem = {k: peak_memory_mb(k, args) for k in ("qklab", "ref")}
     out = {
         "config": args.config,
         "overrides": args.set,
@@ -197,6 +204,9 @@ def main() -> None:
         "ratio_of_medians": round(med["ref"] / med["qklab"], 4),
         "peak_memory_mb": {k: round(v, 1) for k, v in mem.items()},
         "memory_ratio_qklab_over_ref": round(mem["qklab"] / mem["ref"], 4),
+        **({"throughput_ratio_compiled_qklab_over_ref": paired_ratio(times["ref"], times["qklab_compiled"]),
+            "throughput_ratio_compiled_over_eager_qklab": paired_ratio(times["qklab"], times["qklab_compiled"])}
+           if args.compile else {}),
         "rounds": args.rounds,
         "steps_per_round": args.steps,
     }
