@@ -192,8 +192,10 @@ class Trainer:
         self.folder.release()
         self.dist.close()
 
-    def _state(self) -> dict[str, Any]:
-        return {"optimizers": [o.state_dict() for o in self.optimizers],
+    def _state(self, optimizers: Any = True) -> dict[str, Any]:
+        """Everything a checkpoint holds besides the weights; ``optimizers``: True for their state dicts,
+        else the value to store instead (FSDP's gathered states; None when they are in DCP shards)."""
+        return {"optimizers": [o.state_dict() for o in self.optimizers] if optimizers is True else optimizers,
                 "controller": self.controller.state_dict(),
                 "loader": self.loader.state_dict(),
                 "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
@@ -258,7 +260,7 @@ class Trainer:
             return self._save_sharded()
         if self.sharded:  # gathered into full CPU tensors on rank 0: one consolidated checkpoint
             weights, optim = qdist.full_state(self.model, self.optimizers)
-            state = {**self._state(), "optimizers": optim}  # on every rank: a controller may reduce
+            state = self._state(optim)  # on every rank: a controller may reduce
             if self.dist.is_main:
                 model = self._cpu_model()
                 model.load_state_dict(weights)
@@ -281,7 +283,7 @@ class Trainer:
         return fmt == "sharded" or (fmt == "auto" and self.sharded)
 
     def _save_sharded(self) -> Path:
-        state = {**self._state(), "optimizers": None}  # the optimizers' states are in the shards
+        state = self._state(None)  # the optimizers' states are in the shards
         staged = None
         if self.dist.is_main:
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
