@@ -122,3 +122,35 @@ def test_several_studies_combine(tmp_path):
     assert set(curves) == {"none (a)", "none (b)"}
     assert curves["none (b)"]["mean"][-1] == pytest.approx(5.505)
     assert len(data["tables"]["results"]["rows"]) == 2
+
+
+def test_head_series_from_records_to_figure_data(tmp_path):
+    """result.json's per-head series come from the diagnostics and QuacK records; the report's per-head
+    figures show, per step, the median and the lowest and highest of every (layer, head) entry."""
+    from qklab.report.figures import figure_data
+    from qklab.study.analyze import analyze, load_results
+    from qklab.study.result import head_series
+
+    recs = [{"step": s, "diag": {"max_logit": [[s + 1.0, 2.0 * s + 1], [3.0, 4.0]], "logit_change": [[0.1, 0.2]],
+                                 "wq_norm": [[1.0, 2.0], [3.0, 4.0]], "wk_norm": [[2.0, 2.0], [1.0, 1.0]]}}
+            for s in range(0, 50, 10)]
+    recs += [{"step": s, "loss": 1.0, "quack_wq": [[0.5, 1.0]], "quack_wk": [[2.0, 0.25]], "quack_factor_min": 0.25}
+             for s in (5, 15)]
+    hs = head_series(sorted(recs, key=lambda r: r["step"]))
+    assert hs["diag"]["step"] == [0, 10, 20, 30, 40] and hs["diag"]["max_logit"][1] == [[11.0, 21.0], [3.0, 4.0]]
+    assert hs["quack"] == {"step": [5, 15], "quack_wk": [[[2.0, 0.25]]] * 2, "quack_wq": [[[0.5, 1.0]]] * 2}
+
+    res = tmp_path / "results"
+    write_json_atomic(res / "study.json", {"name": "s", "config": "tiny", "seeds": [0, 1], "variants": {"quack": {}},
+                                           "protocol": {"reference": {"mha": "quack"}, "lr_mults": [1.0]}})
+    for seed in (1, 0):  # the lowest seed's series is drawn
+        c = result("quack", 1.0, seed, 5.0, 5.0, controller="quack")
+        c["head_series"] = hs if seed == 0 else {"diag": {"step": [0], "max_logit": [[[99.0]]],
+                                                          "wq_norm": [[[1.0]]], "wk_norm": [[[1.0]]]}}
+        write_json_atomic(res / c["cell"] / "result.json", c)
+    data = figure_data(analyze(*load_results([res])))
+    ml, w, q = (data[k]["mha"]["quack"] for k in ("head_max_logit", "head_w_norms", "quack_factors"))
+    assert ml["seed"] == 0 and ml["step"] == [0, 10, 20, 30, 40]
+    assert (ml["mean"][1], ml["lo"][1], ml["hi"][1]) == (7.5, 3.0, 21.0)  # of 11, 21, 3, 4
+    assert (w["mean"][0], w["lo"][0], w["hi"][0]) == (3.5, 2.0, 4.0)  # ||W_Q|| ||W_K||: 2, 4, 3, 4
+    assert q["step"] == [5, 15] and (q["mean"][0], q["lo"][0], q["hi"][0]) == (0.75, 0.25, 2.0)

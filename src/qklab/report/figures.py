@@ -38,7 +38,8 @@ def _band(curves: list[dict[str, list]], key: str) -> dict[str, list[float]]:
 def figure_data(analysis: dict[str, Any]) -> dict[str, Any]:
     """Series per figure, keyed by attention type ('mha', 'mla') then variant label."""
     data: dict[str, Any] = {"val_curves": {}, "train_curves": {}, "lr_sensitivity": {}, "max_logit": {},
-                            "logit_change": {}, "first_token": {}, "probes": {}}
+                            "logit_change": {}, "first_token": {}, "probes": {}, "head_max_logit": {},
+                            "head_w_norms": {}, "quack_factors": {}}
     for g in analysis["groups"]:
         att, label = g["attention"], _label(g)
         data["val_curves"].setdefault(att, {})[label] = _band([c["val"] for c in g["curves"]], "val_loss")
@@ -58,7 +59,28 @@ def figure_data(analysis: dict[str, Any]) -> dict[str, Any]:
             "mean": ft["mean"], "std": ft["std"], "n": ft["n"], "uniform": uniform_first_token(g["seq_len"] or 0)}
         if g["probes"]:
             data["probes"].setdefault(att, {})[label] = _probe_series(g["probes"])
+        if g.get("head_series"):  # the lowest seed's run at the chosen rate: its heads' spread over time
+            seed, hs = min(g["head_series"], key=lambda x: x[0])
+            d = hs["diag"]
+            data["head_max_logit"].setdefault(att, {})[label] = _head_band(d["step"], d["max_logit"], seed)
+            wqk = [None if a is None or b is None else (np.asarray(a, float) * np.asarray(b, float)).tolist()
+                   for a, b in zip(d["wq_norm"], d["wk_norm"], strict=True)]
+            data["head_w_norms"].setdefault(att, {})[label] = _head_band(d["step"], wqk, seed)
+            if "quack" in hs:
+                q = hs["quack"]
+                both = [[v for k in q if k != "step" for v in np.ravel(np.asarray(q[k][i], float))]
+                        for i in range(len(q["step"]))]
+                data["quack_factors"].setdefault(att, {})[label] = _head_band(q["step"], both, seed)
     return data
+
+
+def _head_band(steps: list[int], values: list, seed: int) -> dict[str, Any]:
+    """Median, min and max over every (layer, head) entry at each step (steps without values dropped)."""
+    keep = [(s, np.ravel(np.asarray(v, dtype=np.float64))) for s, v in zip(steps, values, strict=True)
+            if v is not None and np.size(v)]
+    return {"step": [s for s, _ in keep], "mean": [float(np.nanmedian(v)) for _, v in keep],
+            "lo": [float(np.nanmin(v)) for _, v in keep], "hi": [float(np.nanmax(v)) for _, v in keep],
+            "seed": seed, "heads": int(keep[0][1].size) if keep else 0}
 
 
 def _label(g: dict[str, Any]) -> str:
@@ -129,6 +151,22 @@ def _curves(title: str, ylabel: str, log_y: bool = False):
             if s["n"] > 1:
                 ax.fill_between(s["step"], s["lo"], s["hi"], color=line.get_color(), alpha=0.2)
         ax.set_title(f"{title}: {att.upper()}")
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        if log_y:
+            ax.set_yscale("log")
+    return panel
+
+
+def _heads(title: str, ylabel: str, log_y: bool = False):
+    """Per variant: the median over layers and heads, and a band from the lowest to the highest head."""
+    def panel(ax, att, series):
+        for label, s in series.items():
+            if not s["step"]:
+                continue
+            (line,) = ax.plot(s["step"], s["mean"], label=f"{label} (seed {s['seed']})")
+            ax.fill_between(s["step"], s["lo"], s["hi"], color=line.get_color(), alpha=0.15)
+        ax.set_title(f"{title}: {att.upper()}", fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         if log_y:
@@ -227,5 +265,13 @@ def draw(data: dict[str, Any], out: Path) -> dict[str, Path]:
                                 _curves("logit change per step", "mean |d logit| / step", True)),
         "first_token": _figure(data["first_token"], out / "first_token.png", _first_token, sharey=True),
         "probes": _probes(data["probes"], out / "probes.png"),
+        "head_max_logit": _figure(data["head_max_logit"], out / "head_max_logit.png",
+                                  _heads("max logit per head (median, band: lowest to highest head)", "max logit",
+                                         True)),
+        "head_w_norms": _figure(data["head_w_norms"], out / "head_w_norms.png",
+                                _heads("||W_Q,h|| ||W_K,h|| per head (median, band over heads)", "norm product",
+                                       True)),
+        "quack_factors": _figure(data["quack_factors"], out / "quack_factors.png",
+                                 _heads("QuacK learning-rate factor per head and matrix", "factor", True)),
     }
     return {k: v for k, v in figs.items() if v is not None}

@@ -165,7 +165,13 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
                 "first_token": "First-token attention at the last diagnostics step, with the uniform-attention "
                                "baseline and the 0.3 sink threshold.",
                 "probes": "Attention probes of the final checkpoints (qklab probe; mean over seeds): retrieval "
-                          "evidence contrast and mass against context length, and magnitude sensitivity."}
+                          "evidence contrast and mass against context length, and magnitude sensitivity.",
+                "head_max_logit": "Max logit of each head (all layers) over training, at each variant's chosen "
+                                  "rate, lowest seed: median line, band from the lowest to the highest head.",
+                "head_w_norms": "||W_Q,h|| ||W_K,h|| per head over training (a head's logits scale with it), "
+                                "same runs: median and band over heads.",
+                "quack_factors": "QuacK's per-head learning-rate factors (W_Q and W_K of every layer) over "
+                                 "training, same runs: median and band."}
     sections = [("Claims", "claims"), ("Results (report split)", "results"),
                 ("Learning-rate sensitivity (selection split)", "sensitivity"), ("Throughput", "throughput")]
     if tables["failures"][1]:

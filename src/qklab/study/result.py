@@ -1,8 +1,8 @@
 """One cell's ``result.json``: a small, self-contained record of a finished (or failed) training run.
 
 Everything a report needs is in it (config, git SHA, corpus fingerprint, losses on both held-out parts,
-downsampled curves, per-head summaries at the end, speed, the divergence verdict), so a report can be
-rebuilt from committed result files alone. Files are written atomically (temporary file, fsync, rename).
+downsampled curves, per-head values at the end and over time, speed, the divergence verdict), so a
+report can be rebuilt from committed result files alone. Files are written atomically (temporary file, fsync, rename).
 
 Divergence rule (shared/specs/analyses.md, item 7): a cell diverged if a loss or gradient was non-finite
 (recorded as an event, or the run stopped on it), or if its final selection-split loss is above the
@@ -24,6 +24,8 @@ from qklab.diagnostics.stability import stability_summary
 SCHEMA = 1
 CURVE_POINTS = 64
 HEAD_KEYS = ("max_logit", "logit_change", "first_token", "entropy", "q_norm", "k_norm", "wq_norm", "wk_norm")
+SERIES_KEYS = ("max_logit", "logit_change", "wq_norm", "wk_norm")  # per head over time (head_series)
+SERIES_POINTS = 32
 DIVERGENCE_RULE = ("diverged = a non-finite loss or gradient was met, or the final selection-split loss is above "
                    "the unigram entropy of the selection tokens (analyses.md item 7)")
 
@@ -64,6 +66,20 @@ def _curve(records: list[dict], key: str) -> dict[str, list]:
     pts = [(r["step"], num(r[key])) for r in records if key in r]
     pts = downsample(pts)
     return {"step": [p[0] for p in pts], key: [p[1] for p in pts]}
+
+
+def head_series(records: list[dict]) -> dict[str, Any]:
+    """Per-head values over training, each (layers x heads) per step, at most SERIES_POINTS steps: the
+    diagnostics' max logit, logit change and W_Q / W_K norms, and QuacK's per-head factors."""
+    diags = downsample([r for r in records if "diag" in r], SERIES_POINTS)
+    out: dict[str, Any] = {"diag": {"step": [r["step"] for r in diags],
+                                    **{k: [r["diag"].get(k) for r in diags] for k in SERIES_KEYS}}}
+    ctrl = downsample([r for r in records if any(k.startswith("quack_") and isinstance(v, list)
+                                                 for k, v in r.items())], SERIES_POINTS)
+    if ctrl:
+        keys = sorted(k for k, v in ctrl[-1].items() if k.startswith("quack_") and isinstance(v, list))
+        out["quack"] = {"step": [r["step"] for r in ctrl], **{k: [r.get(k) for r in ctrl] for k in keys}}
+    return out
 
 
 def cell_header(cell, study: str, log_path: Path) -> dict[str, Any]:
@@ -113,7 +129,8 @@ def build_result(header: dict[str, Any], run_dir: Path, records: list[dict], uni
                        "max_logit": _curve(evals, "max_logit"),
                        "logit_change": _curve([{"step": r["step"], **r["diag"]} for r in diags], "logit_change_mean"),
                        "first_token": _curve([{"step": r["step"], **r["diag"]} for r in diags], "first_token_mean")},
-            "heads": heads, "tokens_per_s": statistics.median(steady) if steady else float("nan"),
+            "heads": heads, "head_series": head_series(records),
+            "tokens_per_s": statistics.median(steady) if steady else float("nan"),
             "spikes": len(stab["spikes"]), "nonfinite_steps": len(stab["nonfinite_steps"]),
             "seconds": seconds, "probe": None}
 
