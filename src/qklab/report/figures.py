@@ -142,31 +142,18 @@ def _figure(series: dict[str, dict], path: Path, panel, sharey: bool = False) ->
     return path
 
 
-def _curves(title: str, ylabel: str, log_y: bool = False):
+def _curves(title: str, ylabel: str, log_y: bool = False, heads: bool = False):
+    """Per variant a line and its band: over seeds (mean, min-max), or with ``heads`` over a run's heads
+    (median, lowest to highest head)."""
     def panel(ax, att, series):
         for label, s in series.items():
             if not s["step"]:
                 continue
-            (line,) = ax.plot(s["step"], s["mean"], label=f"{label} (n={s['n']})")
-            if s["n"] > 1:
-                ax.fill_between(s["step"], s["lo"], s["hi"], color=line.get_color(), alpha=0.2)
-        ax.set_title(f"{title}: {att.upper()}")
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        if log_y:
-            ax.set_yscale("log")
-    return panel
-
-
-def _heads(title: str, ylabel: str, log_y: bool = False):
-    """Per variant: the median over layers and heads, and a band from the lowest to the highest head."""
-    def panel(ax, att, series):
-        for label, s in series.items():
-            if not s["step"]:
-                continue
-            (line,) = ax.plot(s["step"], s["mean"], label=f"{label} (seed {s['seed']})")
-            ax.fill_between(s["step"], s["lo"], s["hi"], color=line.get_color(), alpha=0.15)
-        ax.set_title(f"{title}: {att.upper()}", fontsize=9)
+            (line,) = ax.plot(s["step"], s["mean"], label=f"{label} (seed {s['seed']})" if heads else
+                              f"{label} (n={s['n']})")
+            if heads or s["n"] > 1:
+                ax.fill_between(s["step"], s["lo"], s["hi"], color=line.get_color(), alpha=0.15 if heads else 0.2)
+        ax.set_title(f"{title}: {att.upper()}", fontsize=9 if heads else None)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         if log_y:
@@ -266,12 +253,12 @@ def draw(data: dict[str, Any], out: Path) -> dict[str, Path]:
         "first_token": _figure(data["first_token"], out / "first_token.png", _first_token, sharey=True),
         "probes": _probes(data["probes"], out / "probes.png"),
         "head_max_logit": _figure(data["head_max_logit"], out / "head_max_logit.png",
-                                  _heads("max logit per head (median, band: lowest to highest head)", "max logit",
-                                         True)),
+                                  _curves("max logit per head (median, band: lowest to highest head)", "max logit",
+                                          True, heads=True)),
         "head_w_norms": _figure(data["head_w_norms"], out / "head_w_norms.png",
-                                _heads("||W_Q,h|| ||W_K,h|| per head (median, band over heads)", "norm product",
-                                       True)),
+                                _curves("||W_Q,h|| ||W_K,h|| per head (median, band over heads)", "norm product",
+                                        True, heads=True)),
         "quack_factors": _figure(data["quack_factors"], out / "quack_factors.png",
-                                 _heads("QuacK learning-rate factor per head and matrix", "factor", True)),
+                                 _curves("QuacK learning-rate factor per head and matrix", "factor", True, heads=True)),
     }
     return {k: v for k, v in figs.items() if v is not None}
