@@ -154,3 +154,24 @@ def test_head_series_from_records_to_figure_data(tmp_path):
     assert (ml["mean"][1], ml["lo"][1], ml["hi"][1]) == (7.5, 3.0, 21.0)  # of 11, 21, 3, 4
     assert (w["mean"][0], w["lo"][0], w["hi"][0]) == (3.5, 2.0, 4.0)  # ||W_Q|| ||W_K||: 2, 4, 3, 4
     assert q["step"] == [5, 15] and (q["mean"][0], q["lo"][0], q["hi"][0]) == (0.75, 0.25, 2.0)
+
+
+def test_stability_table_lists_every_rate_with_all_seeds(tmp_path):
+    from qklab.report.render import stability_table
+    from qklab.study.analyze import analyze, load_results
+
+    res = _write(tmp_path)
+    for s in range(3):  # planted loss spikes in the none x2 cells
+        f = res / f"none_lr2_s{s}" / "result.json"
+        r = json.loads(f.read_text())
+        r["spikes"] = s + 1
+        write_json_atomic(f, r)
+    head, rows = stability_table(analyze(*load_results([res]))["groups"])
+    row = {h: v for h, v in zip(head, next(r for r in rows if r[0] == "none" and "(x2)" in r[2]), strict=True)}
+    sel = [5.2, 5.22, 5.19]  # every seed, the diverged one included
+    mean = sum(sel) / 3
+    std = (sum((x - mean) ** 2 for x in sel) / 2) ** 0.5
+    assert row["n"] == "3" and row["diverged"] == "1/3" and row["failed"] == "0/3" and row["loss spikes"] == "6"
+    assert row["selection loss (all seeds)"] == f"{mean:.3f} ± {std:.3f}"
+    assert row["below unigram"] == f"{6.0 - mean:.3f}" and row["max logit (end)"] == "10.0"
+    assert sum(r[0] == "qknorm" for r in rows) == 2  # one row per rate

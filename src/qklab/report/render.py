@@ -67,6 +67,24 @@ def sensitivity_table(groups: list[dict]) -> Table:
     return head, rows
 
 
+def stability_table(groups: list[dict]) -> Table:
+    """Every variant at every rate: selection loss (all finished seeds) and its margin below the unigram
+    entropy (0 or less: a plateau at token frequencies, counted as diverged), final max logit, loss spikes."""
+    head = ["variant", "attn", "lr", "n", "selection loss (all seeds)", "below unigram", "max logit (end)",
+            "loss spikes", "diverged", "failed"]
+    rows = []
+    for g in groups:
+        uni = g.get("unigram_entropy", float("nan"))
+        for m, s in sorted(g["sweep"].items()):
+            sel = s.get("select_all", s["select"])
+            ml = s.get("max_logit") or {"mean": float("nan"), "n": 0}
+            rows.append([g["variant"], g["attention"], f"{s['lr']:.3g} (x{m:g})", str(s["n"]), fmt_mean_std(sel),
+                         f"{uni - sel['mean']:.3f}" if sel["n"] else "-",
+                         f"{ml['mean']:.1f}" if ml["n"] else "-", str(s.get("spikes", 0)),
+                         f"{s['diverged']}/{s['n']}", f"{s['failed']}/{s['n']}"])
+    return head, rows
+
+
 def throughput_table(groups: list[dict]) -> Table:
     ref = {}
     for g in groups:
@@ -155,6 +173,7 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
     figs = draw(data, out)
     tables = {"results": results_table(groups), "sensitivity": sensitivity_table(groups),
               "throughput": throughput_table(groups), "claims": claims_rows(groups),
+              "stability": stability_table(groups),
               "failures": failures_table(groups)}
     header = _header(analysis, [str(d) for d in dirs])
     captions = {"val_curves": "Selection-split loss over training at each variant's chosen rate (mean, band: "
@@ -173,7 +192,9 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
                 "quack_factors": "QuacK's per-head learning-rate factors (W_Q and W_K of every layer) over "
                                  "training, same runs: median and band."}
     sections = [("Claims", "claims"), ("Results (report split)", "results"),
-                ("Learning-rate sensitivity (selection split)", "sensitivity"), ("Throughput", "throughput")]
+                ("Learning-rate sensitivity (selection split)", "sensitivity"),
+                ("Stability by learning rate (selection split, every seed)", "stability"),
+                ("Throughput", "throughput")]
     if tables["failures"][1]:
         sections.append(("Failed cells", "failures"))
     md = [f"# {title}", "", *header, ""]

@@ -102,7 +102,10 @@ def _group(key: tuple, rs: list[dict]) -> dict[str, Any]:
         eligible[m] = bool(fin) and not div and len(fin) == len(cs)
         sweep[m] = {"lr": num(fin[0]["lr"]) if fin else float("nan"), "n": len(cs), "diverged": len(div),
                     "failed": len(cs) - len(fin), "select": describe([x for c, x in zip(fin, select[m], strict=True)
-                                                                         if not c["diverged"]])}
+                                                                         if not c["diverged"]]),
+                    "select_all": describe(select[m]),  # diverged cells included: the stability table
+                    "max_logit": describe([num(c["final"].get("max_logit")) for c in fin]),
+                    "spikes": sum(int(c.get("spikes") or 0) for c in fin)}
     chosen = select_rate(select, eligible)
     stable = [m for m, s in sweep.items() if s["diverged"] == 0 and s["n"] > s["failed"]]
     at: dict[str, dict[int, float]] = {k: {} for k in ("report_loss", "val_loss", "train_loss", "max_logit",
