@@ -153,10 +153,14 @@ seeds = [0]
     assert proc.returncode != 0, out
     assert not (tmp_path / "o" / "results" / "a_lr1_s0" / "result.json").exists()
     assert list((tmp_path / "o" / "cells" / "a_lr1_s0" / "ckpt").glob("step_*"))
+    spent = read_result(tmp_path / "o" / "cells" / "a_lr1_s0" / "cell.json")  # the time so far, kept
+    assert spent["seconds"] > 0 and spent["cpu_seconds"] > 0
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     resumed = read_result(tmp_path / "o" / "results" / "a_lr1_s0" / "result.json")
     assert "resumed" in (tmp_path / "o" / "logs" / "a_lr1_s0.log").read_text()
+    # both invocations' time counts for the cell
+    assert resumed["seconds"] > spent["seconds"] and resumed["cpu_seconds"] > spent["cpu_seconds"]
     ref = run_study(parse_study({"study": {"config": "tiny", "seeds": [0], "set": {
         "train.steps": 400, "train.lr": 1e-2, "train.eval_every": 60, "train.ckpt_every": 20, "train.diag_every": 0,
         "data.max_files": 20, "data.cache_dir": f"{tmp_path}/cache"}}, "variants": {"a": {"qk.method": "none"}}}, "r"),

@@ -77,12 +77,19 @@ def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, pro
         # not resumable (no checkpoint, or one of another config): the trainer replaces the cell's run
         # under its own lock, so two study processes never train the same cell at once
         trainer = Trainer(cfg, resume=resume, overwrite=not resume, data=data)
-        write_json_atomic(mark, {"cell_hash": chash})
+        # time spent on this cell by earlier, interrupted invocations (counted in seconds / cpu_seconds)
+        before = {k: float(started.get(k, 0.0)) if resume else 0.0 for k in ("seconds", "cpu_seconds")}
+        t0, cpu0 = t0 - before["seconds"], cpu0 - before["cpu_seconds"]
+        write_json_atomic(mark, {"cell_hash": chash, **before})
         stopped = None
         try:
             trainer.run()
         except NonFiniteError as e:  # a diverged cell is a result, not a failure
             stopped = str(e)
+        except RunInterrupted:
+            write_json_atomic(mark, {"cell_hash": chash, "seconds": time.time() - t0,
+                                     "cpu_seconds": _cpu_seconds() - cpu0})
+            raise
         unigram = unigram_entropy(data.select_tokens(), data.vocab_size)
         res = build_result(header, run_dir, read_metrics(run_dir / "metrics.jsonl"), unigram, chash,
                            time.time() - t0, stopped)
