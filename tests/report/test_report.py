@@ -175,3 +175,29 @@ def test_stability_table_lists_every_rate_with_all_seeds(tmp_path):
     assert row["selection loss (all seeds)"] == f"{mean:.3f} ± {std:.3f}"
     assert row["below unigram"] == f"{6.0 - mean:.3f}" and row["max logit (end)"] == "10.0"
     assert sum(r[0] == "qknorm" for r in rows) == 2  # one row per rate
+
+
+@pytest.mark.parametrize("growth, verdict", [(0.05, "agree"), (-0.05, "disagree"), (0.0, "inconclusive")])
+def test_width_gap_claim(tmp_path, growth, verdict):
+    """QuacK's gap to none by width: the narrowest width's gap minus the widest's, paired by seed."""
+    from qklab.report.claims import claims_table
+    from qklab.study.analyze import analyze, load_results
+
+    res = tmp_path / "results"
+    write_json_atomic(res / "study.json", {"name": "w", "config": "tiny", "seeds": [0, 1, 2],
+                                           "variants": {"none": {}, "quack": {}},
+                                           "protocol": {"reference": "none", "lr_mults": [1.0]}})
+    noise = [0.0, 0.013, -0.013]  # mean 0: the mean gaps are the planted ones
+    for i, width in enumerate((64, 128, 256)):
+        for s in range(3):
+            gap = 0.02 + growth * i + (noise[s] * (i - 1) if growth == 0.0 else 0.0)
+            for variant, loss in (("none", 5.0 + noise[s]), ("quack", 5.0 + noise[s] - gap)):
+                c = result(variant, 1.0, s, loss, loss, controller="quack" if variant == "quack" else "none",
+                           study="w")
+                c["cell"] = f"{variant}_shape{width}_lr1_s{s}"
+                c["point"], c["config"]["model"]["d_model"] = {"shape": width}, width
+                write_json_atomic(res / c["cell"] / "result.json", c)
+    row = next(r for r in claims_table(analyze(*load_results([res]))["groups"]) if "grows with width" in r["claim"])
+    assert row["verdict"] == verdict, row
+    assert f"64: {0.02:+.3f}" in row["measured"] and f"256: {0.02 + 2 * growth:+.3f}" in row["measured"]
+    assert "gap at width 64 - gap at width 256" in row["measured"]

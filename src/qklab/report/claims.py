@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from qklab.study.stats import fmt_ci, paired_difference
 
 COMPETITIVE_MARGIN = 0.05  # nats: "competitive" = not worse by more than this (upper 95% bound)
@@ -116,6 +118,30 @@ def _probe_claim(key: str, a: tuple, b: tuple, higher: bool) -> Callable[[list[d
     return test
 
 
+def _width_gap(a: tuple, b: tuple) -> Callable[[list[dict]], tuple[str, str, str]]:
+    """Claim: a's advantage over b (b - a, report loss, paired by seed, each at its chosen rate) is larger
+    at the widest width of a study's grid than at the narrowest."""
+    def test(groups):
+        gaps: dict[str, dict[int, dict[int, float]]] = {}  # study -> width -> seed -> b - a
+        for x in _find(groups, *a):
+            for y in _find(groups, *b):
+                if x["study"] == y["study"] and x["point"] == y["point"] and x.get("d_model"):
+                    ya, xa = y["at_chosen"]["report_loss"], x["at_chosen"]["report_loss"]
+                    gaps.setdefault(x["study"], {})[int(x["d_model"])] = {s: ya[s] - xa[s] for s in xa.keys() & ya}
+        study = max(gaps, key=lambda k: len(gaps[k]), default=None)
+        if study is None or len(gaps[study]) < 2:
+            return "not measurable", "-", (f"needs {_name(a)} and {_name(b)} at two or more widths in one study "
+                                           "(studies/logit_control_width.toml)")
+        by_w = gaps[study]
+        lo, hi = min(by_w), max(by_w)
+        d = paired_difference(by_w[lo], by_w[hi])  # gap at the narrowest - gap at the widest: < 0 if it grows
+        d["a"], d["b"] = f"gap at width {lo}", f"gap at width {hi}"
+        verdict, meas, reason = _verdict_less(d, "", "report loss")
+        means = ", ".join(f"{w}: {np.mean(list(g.values())):+.3f}" if g else f"{w}: -" for w, g in sorted(by_w.items()))
+        return verdict, f"{meas}; mean gap ({_name(b)} - {_name(a)}) by width: {means}", reason
+    return test
+
+
 MHA, MLA = "mha", "mla"
 QKMAP, STD, QKN = (MHA, "qkmap", "none"), (MHA, "none", "none"), (MHA, "qknorm", "none")
 
@@ -156,6 +182,9 @@ CLAIMS: list[Claim] = [
           _less((MHA, "none", "quack"), (MHA, "none", "qk_lr_multiplier"), "report_loss", "report loss")),
     Claim("QuacK", "keeps attention logits smaller than no intervention", "max attention logit at the end",
           _less((MHA, "none", "quack"), STD, "max_logit", "max logit")),
+    Claim("QuacK", "its advantage over no intervention grows with width (the paper's argument)",
+          "report-loss gap none - quack at the widest minus the narrowest width, paired over seeds",
+          _width_gap((MHA, "none", "quack"), STD)),
 ]
 
 

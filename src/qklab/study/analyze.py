@@ -122,7 +122,8 @@ def _group(key: tuple, rs: list[dict]) -> dict[str, Any]:
     return {"study": study, "variant": variant, "point": point, "order": 0,
             "attention": first.get("attention", cfg.get("model", {}).get("attention", "mha")),
             "method": first.get("method"), "controller": first.get("controller"),
-            "seq_len": cfg.get("train", {}).get("seq_len"), "n_cells": len(rs),
+            "seq_len": cfg.get("train", {}).get("seq_len"), "d_model": cfg.get("model", {}).get("d_model"),
+            "n_cells": len(rs),
             "failed": [{"cell": r["cell"], "failure": r.get("failure"), "log": r.get("log")}
                        for r in rs if r["status"] == "failed"],
             "sweep": sweep, "chosen": chosen, "chosen_lr": sweep[chosen]["lr"] if chosen is not None else None,
