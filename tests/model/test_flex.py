@@ -53,3 +53,12 @@ def test_model_tracks_the_same_max_on_both_paths():
     chunked = [b.attn.pop_max_logit() for b in model.blocks]
     for a, b in zip(fused, chunked, strict=True):
         torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-4)
+
+
+@cuda
+def test_block_mask_is_made_once_per_length_and_device():
+    from qklab.model.flex import causal_block_mask
+
+    a = causal_block_mask(128, torch.device("cuda"))
+    assert causal_block_mask(128, torch.device("cuda", torch.cuda.current_device())) is a
+    assert causal_block_mask(256, "cuda") is not a

@@ -36,14 +36,23 @@ def flex_causal_with_max(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
                          gqa: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention (B, H, T, Dv) and each head's max logit (H,), float32, from one kernel."""
     global _kernel
-    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     if _kernel is None:
         _kernel = torch.compile(flex_attention, dynamic=False)
-    T = q.shape[2]
-    key = (T, str(q.device))
-    if key not in _masks:
-        _masks[key] = create_block_mask(_causal, None, None, T, T, device=q.device)
-    y, aux = _kernel(q, k, v, block_mask=_masks[key], scale=scale, enable_gqa=gqa,
+    y, aux = _kernel(q, k, v, block_mask=causal_block_mask(q.shape[2], q.device), scale=scale, enable_gqa=gqa,
                      return_aux=AuxRequest(max_scores=True))
     return y, aux.max_scores.detach().float().amax(dim=(0, 2))  # (B, H, T) -> (H,)
+
+
+def causal_block_mask(T: int, device: torch.device):
+    """The causal BlockMask of length T, made once per (T, device). The trainer makes the training
+    length's before ``torch.compile`` traces the model, so a compiled forward only reads it."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    d = torch.device(device)
+    index = d.index if d.index is not None else (torch.cuda.current_device() if d.type == "cuda" else 0)
+    key = (T, f"{d.type}:{index}")  # "cuda" and "cuda:0" name the same mask
+    if key not in _masks:
+        _masks[key] = create_block_mask(_causal, None, None, T, T, device=device)
+    return _masks[key]

@@ -28,6 +28,7 @@ from qklab.dist import DistContext, RankSlice, wrap_ddp
 from qklab.dist.dcp import DCP_DIR
 from qklab.methods import CONTROLLERS
 from qklab.model import GPT
+from qklab.model.flex import causal_block_mask
 from qklab.train.checkpoint import (
     CheckpointError,
     complete_checkpoints,
@@ -138,6 +139,8 @@ class Trainer:
                                                     t.eval_batches, name="selection (held-out)")
         self.report_batches = TokenLoader.eval_batches(self.data.report_tokens(), t.batch_size, t.seq_len,
                                                        t.eval_batches, name="report (held-out)")
+        if self.device.type == "cuda":  # FlexAttention's causal mask, made before anything is compiled
+            causal_block_mask(t.seq_len, self.device)
         self.wrapped = self.model  # what the train step calls: the model, or its DDP wrapper (set in wrap())
         self.fwd = torch.compile(self.model) if t.compile else self.model
         self.monitor = (AttentionMonitor.from_tokens(self.data.val_tokens(), t.diag_batch, t.seq_len)
