@@ -154,6 +154,8 @@ class Trainer:
             self._say(f"resumed {self.run_dir} at step {self.step} from {found[0].name}")
         elif overwrite:
             self.folder.clear()  # only now: a run that fails to start leaves the old one intact
+        if found is None:  # with "resumed" and "ended" lines, the log tells how long each part took
+            self._say(f"started {self.run_dir} ({self.dist.world} process(es) on {self.device})", echo=False)
         if not self.dist.is_main:
             self.metrics = _NoMetrics()
             return
