@@ -68,3 +68,13 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     if lines and _step(lines[-1]) is None:
         lines.pop()
     return [json.loads(ln) for ln in lines]
+
+
+class NoMetrics:
+    """Metrics of a rank other than 0: rank 0 writes the one metrics.jsonl."""
+
+    def log(self, step: int, **record: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -99,3 +99,16 @@ class RunFolder:
         self.release()
         if self.created:
             shutil.rmtree(self.path, ignore_errors=True)
+
+
+class FollowerFolder:
+    """The run folder as a rank other than 0 sees it: rank 0 holds the lock and writes every file."""
+
+    def release(self) -> None:
+        pass
+
+    def abandon(self) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass

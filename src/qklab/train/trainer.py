@@ -41,9 +41,9 @@ from qklab.train.checkpoint import (
     staging_dir,
 )
 from qklab.train.evaluate import eval_loss, max_attention_logits
-from qklab.train.metrics import MetricsLog
+from qklab.train.metrics import MetricsLog, NoMetrics
 from qklab.train.optim import build_optimizer, lr_mult, set_lr
-from qklab.train.runfolder import RunFolder
+from qklab.train.runfolder import FollowerFolder, RunFolder
 from qklab.train.runinfo import check_resume_config, git_sha, pick_device, run_name, versions
 from qklab.train.signals import RunInterrupted, StopSignals
 from qklab.train.trackers import build_trackers
@@ -74,7 +74,7 @@ class Trainer:
             self.log = lambda msg: None
         try:  # locked: one writer at a time
             self.folder = RunFolder(self.run_dir, overwrite=overwrite and not resume) if self.dist.is_main \
-                else _Follower()
+                else FollowerFolder()
         except BaseException as e:
             self.dist.agree(e)
             raise
@@ -157,7 +157,7 @@ class Trainer:
         if found is None:  # with "resumed" and "ended" lines, the log tells how long each part took
             self._say(f"started {self.run_dir} ({self.dist.world} process(es) on {self.device})", echo=False)
         if not self.dist.is_main:
-            self.metrics = _NoMetrics()
+            self.metrics = NoMetrics()
             return
         self._write_config()
         trackers = build_trackers(t.trackers, self.run_dir, cfg.to_dict()) if t.trackers else []
@@ -492,26 +492,3 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-class _Follower:
-    """The run folder as a rank other than 0 sees it: rank 0 holds the lock and writes every file."""
-
-    def release(self) -> None:
-        pass
-
-    def abandon(self) -> None:
-        pass
-
-    def clear(self) -> None:
-        pass
-
-
-class _NoMetrics:
-    """Metrics of a rank other than 0: rank 0 writes the one metrics.jsonl."""
-
-    def log(self, step: int, **record: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
