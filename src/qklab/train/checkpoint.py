@@ -39,7 +39,7 @@ WEIGHTS, STATE, SHARDS = FILES[0], FILES[1], "dcp/.metadata"  # SHARDS: a sharde
 
 __all__ = ["CheckpointError", "atomic_write_text", "save_checkpoint", "latest_checkpoint", "newest_usable",
            "load_checkpoint", "read_state", "load_weights", "verify_checkpoint", "complete_checkpoints",
-           "remove_stale_temps", "staging_dir", "is_sharded"]
+           "remove_stale_temps", "new_staging_dir", "is_sharded"]
 
 
 class CheckpointError(ValueError):
@@ -54,9 +54,15 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def staging_dir(ckpt_dir: Path, step: int, pid: int | None = None) -> Path:
-    """The temporary folder a checkpoint of ``step`` is written into by the process ``pid`` (rank 0)."""
-    return ckpt_dir / f".tmp-{PREFIX}{step:07d}-{os.getpid() if pid is None else pid}"
+def new_staging_dir(ckpt_dir: Path, step: int) -> Path:
+    """An empty temporary folder for the checkpoint of ``step``, named after this process (a writer that
+    dies leaves it to ``remove_stale_temps``), once the temporaries of dead writers are gone."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(ckpt_dir)
+    tmp = ckpt_dir / f".tmp-{PREFIX}{step:07d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
 
 
 def is_sharded(path: Path) -> bool:
@@ -67,17 +73,12 @@ def is_sharded(path: Path) -> bool:
 def save_checkpoint(ckpt_dir: Path, step: int, model: nn.Module | None, state: dict[str, Any], keep: int = 2,
                     staged: Path | None = None) -> Path:
     """Write ``model`` (safetensors) and ``state``, or add ``state`` to the shards every rank already wrote
-    into ``staged`` (``model`` None), then publish the folder by rename. Nothing half-written stays."""
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    if staged is None:  # (a staged folder's writer cleared the old temporaries before staging)
-        remove_stale_temps(ckpt_dir)
+    into ``staged`` (``model`` None; a folder from ``new_staging_dir``), then publish the folder by rename.
+    Nothing half-written stays."""
+    tmp = staged or new_staging_dir(ckpt_dir, step)
     final = ckpt_dir / f"{PREFIX}{step:07d}"
-    tmp = staged or staging_dir(ckpt_dir, step)
     old = ckpt_dir / f".old-{PREFIX}{step:07d}-{os.getpid()}"
     try:
-        if staged is None:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
         if model is not None:
             save_model(model, str(tmp / WEIGHTS))
         torch.save({**state, "step": step}, tmp / STATE)

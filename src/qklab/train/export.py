@@ -8,7 +8,6 @@ with the run's ``config.json`` beside it. ``qklab.hf`` turns such a model into a
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from safetensors.torch import save_model
@@ -32,9 +31,7 @@ def export_run(path: str | Path, out: str | Path) -> tuple[Path, int]:
     save_model(model, str(tmp))
     tmp.replace(out / "model.safetensors")
     cfg_file = target.run_dir / "config.json" if target.run_dir is not None else None
-    if cfg_file is not None and cfg_file.is_file():
-        shutil.copyfile(cfg_file, out / ".config.json.tmp")
-        (out / ".config.json.tmp").replace(out / "config.json")
-    else:
-        atomic_write_text(out / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
+    text = cfg_file.read_text() if cfg_file is not None and cfg_file.is_file() else \
+        json.dumps(cfg.to_dict(), indent=2) + "\n"
+    atomic_write_text(out / "config.json", text)
     return out, step

@@ -35,10 +35,10 @@ from qklab.train.checkpoint import (
     is_sharded,
     latest_checkpoint,
     load_weights,
+    new_staging_dir,
     newest_usable,
     remove_stale_temps,
     save_checkpoint,
-    staging_dir,
 )
 from qklab.train.evaluate import eval_loss, max_attention_logits
 from qklab.train.metrics import MetricsLog, NoMetrics
@@ -260,9 +260,9 @@ class Trainer:
             self.metrics.log(self.step, event="nonfinite_weights")
             raise NonFiniteError(f"weights are non-finite at step {self.step}; no checkpoint written, the last good "
                                  f"one is {latest_checkpoint(self.ckpt_dir) or 'none'}")
-        path, failed, model, state = self.ckpt_dir / f"step_{self.step:07d}", None, self.model, None
         if self.ckpt_sharded:  # DCP: every rank writes its shards into rank 0's staging folder
             return self._save_sharded()
+        path, failed, model, state = self.ckpt_dir / f"step_{self.step:07d}", None, self.model, None
         if self.sharded:  # gathered into full CPU tensors on rank 0: one consolidated checkpoint
             weights, optim = qdist.full_state(self.model, self.optimizers)
             state = self._state(optim)  # on every rank: a controller may reduce
@@ -289,14 +289,7 @@ class Trainer:
 
     def _save_sharded(self) -> Path:
         state = self._state(None)  # the optimizers' states are in the shards
-        staged = None
-        if self.dist.is_main:
-            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-            remove_stale_temps(self.ckpt_dir)
-            staged = staging_dir(self.ckpt_dir, self.step)
-            shutil.rmtree(staged, ignore_errors=True)
-            staged.mkdir()
-        staged = self.dist.broadcast(staged)
+        staged = self.dist.broadcast(new_staging_dir(self.ckpt_dir, self.step) if self.dist.is_main else None)
         path, failed = self.ckpt_dir / f"step_{self.step:07d}", None
         try:
             qdist.save_sharded(staged / DCP_DIR, self.model, self.optimizers)  # a collective
@@ -376,8 +369,7 @@ class Trainer:
             spike = self.spikes.update(loss)
             if spike is not None:
                 self.metrics.log(s, event="loss_spike", **spike)
-                self._note(self._bar, f"step {s}: loss spike {loss:.3f}, {spike['sigmas']:.1f} sigma above "
-                                      "the window")
+                self._note(f"step {s}: loss spike {loss:.3f}, {spike['sigmas']:.1f} sigma above the window")
         return out
 
     def _accumulating(self, more: bool):
@@ -447,8 +439,8 @@ class Trainer:
                     rec.update(last)
                     if end:  # the report split is read once, at the end
                         rec["report_loss"] = eval_loss(self.model, self.report_batches, self.device, self.autocast)
-                    self._note(bar, f"step {self.step}: val_loss {last['val_loss']:.4f}  "
-                                    f"max_logit {last['max_logit']:.2f}")
+                    self._note(f"step {self.step}: val_loss {last['val_loss']:.4f}  "
+                               f"max_logit {last['max_logit']:.2f}")
                 if at_diag:
                     rec["diag"] = self._diagnose()
                 if rec:
@@ -477,9 +469,10 @@ class Trainer:
         return TrainResult(self.run_dir, last["val_loss"], last["max_logit"], float(np.median(steady)), self.step,
                            self.skipped, self.dist.is_main)
 
-    def _note(self, bar, msg: str) -> None:
-        if self.dist.is_main:  # rank 0 speaks for the run
-            (bar.write if bar is not None else self.log)(msg)
+    def _note(self, msg: str) -> None:
+        """A message beside the progress bar while run() runs (else through log); rank 0 speaks for the run."""
+        if self.dist.is_main:
+            (self._bar.write if self._bar is not None else self.log)(msg)
 
     def _stop_on_signal(self, name: str, signum: int) -> None:
         path = self.save() if self._saved_at != self.step else self.ckpt_dir / f"step_{self.step:07d}"
