@@ -74,6 +74,34 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The textbook form, x * cos + rotate_half(x) * sin: what the compiler fuses, and the reference."""
+    return x * cos + rotate_half(x) * sin
+
+
+class _Rotate(torch.autograd.Function):
+    """y = x * cos + roll(x, D/2) * sin_s with sin_s = (-sin_1, sin_2), which equals rotate_half(x) * sin.
+
+    Eager, this is three passes over x forward and three backward, against five and five of the textbook
+    form (chunk, neg, cat, two products, a sum). The backward is the transpose of the same map:
+    dx = dy * cos + roll(dy * sin_s, D/2) (a roll by D/2 is its own inverse)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin_s):
+        ctx.save_for_backward(cos, sin_s)
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_s)
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin_s = ctx.saved_tensors
+        return (dy * sin_s).roll(dy.shape[-1] // 2, -1).addcmul_(dy, cos), None, None
+
+
+def heads_inner(x: torch.Tensor) -> bool:
+    """True when x (B, H, T, D) is a transposed view of (B, T, H, D) memory, as projections produce."""
+    return x.dim() == 4 and x.shape[1] > 1 and x.stride(1) < x.stride(2)
+
+
 class Rope(nn.Module):
     """Apply RoPE to x (B, H, T, D) at absolute positions pos .. pos + T - 1."""
 
@@ -82,18 +110,31 @@ class Rope(nn.Module):
         self.max_len = max_len
         self.theta = theta
         self.yarn = yarn
-        self._tables: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tables: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def tables(self, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _all_tables(self, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         key = (dim, device)
         if key not in self._tables:
-            self._tables[key] = rope_tables(dim, self.max_len, self.theta, device, self.yarn)
+            cos, sin = rope_tables(dim, self.max_len, self.theta, device, self.yarn)
+            h = dim // 2
+            self._tables[key] = cos, sin, torch.cat([-sin[:, :h], sin[:, h:]], dim=-1)
         return self._tables[key]
 
-    def forward(self, x: torch.Tensor, pos: int = 0) -> torch.Tensor:
+    def tables(self, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape (max_len, dim)."""
+        return self._all_tables(dim, device)[:2]
+
+    def window(self, x: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """cos, sin, signed sin (T, D) for x (..., T, D) at positions pos .., in x's dtype."""
         T, D = x.shape[-2], x.shape[-1]
         if pos + T > self.max_len:
             raise ValueError(f"position {pos + T} exceeds model.max_seq_len={self.max_len}")
-        cos, sin = self.tables(D, x.device)
-        cos, sin = cos[pos : pos + T].to(x.dtype), sin[pos : pos + T].to(x.dtype)  # (T, D)
-        return x * cos + rotate_half(x) * sin
+        return tuple(t[pos : pos + T].to(x.dtype) for t in self._all_tables(D, x.device))
+
+    def forward(self, x: torch.Tensor, pos: int = 0) -> torch.Tensor:
+        cos, sin, sin_s = self.window(x, pos)  # (T, D)
+        if torch.compiler.is_compiling():  # the compiler fuses the textbook form into one kernel
+            return rope_reference(x, cos, sin)
+        if heads_inner(x):  # rotate in the memory's own (B, T, H, D) order: no copies; same numbers
+            return _Rotate.apply(x.transpose(1, 2), cos[:, None], sin_s[:, None]).transpose(1, 2)
+        return _Rotate.apply(x, cos, sin_s)
