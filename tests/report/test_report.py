@@ -201,3 +201,31 @@ def test_width_gap_claim(tmp_path, growth, verdict):
     assert row["verdict"] == verdict, row
     assert f"64: {0.02:+.3f}" in row["measured"] and f"256: {0.02 + 2 * growth:+.3f}" in row["measured"]
     assert "gap at width 64 - gap at width 256" in row["measured"]
+
+
+@pytest.mark.parametrize("mult_tau, verdict, note", [(0.1, "disagree", "same tau: 0.1"),
+                                                    (0.3, "agree", "no pair at the same tau")])
+def test_multiplier_claim_pairs_quack_at_the_same_tau(tmp_path, mult_tau, verdict, note):
+    """QuacK at tau 1 beats the multiplier, QuacK at tau 0.1 loses to it: the claim compares the
+    multiplier with QuacK at its own tau when that ran (the earlier grid's bias was tau 1 against 0.1)."""
+    from qklab.report.claims import claims_table
+    from qklab.study.analyze import analyze, load_results
+
+    res = tmp_path / "results"
+    variants = {"quack-t0.1": ("quack", 0.1, 5.2), "quack-t1": ("quack", 1.0, 4.9),
+                "multiplier": ("qk_lr_multiplier", mult_tau, 5.1)}
+    write_json_atomic(res / "study.json", {"name": "m", "config": "tiny", "seeds": [0, 1, 2],
+                                           "variants": {v: {} for v in variants},
+                                           "protocol": {"reference": "quack-t1", "lr_mults": [1.0]}})
+    noise = [0.0, 0.01, -0.01]
+    for v, (ctrl, tau, loss) in variants.items():
+        for s in range(3):
+            c = result(v, 1.0, s, loss + noise[s], loss + noise[s], controller=ctrl, study="m")
+            c["config"]["qk"] = {"method": "none", "controller": ctrl, "options": {ctrl: {"tau": tau}}}
+            write_json_atomic(res / c["cell"] / "result.json", c)
+    row = next(r for r in claims_table(analyze(*load_results([res]))["groups"])
+               if r["claim"] == "better than the fixed-multiplier ablation")
+    assert row["verdict"] == verdict, row
+    assert note in row["measured"]
+    want = "quack-t0.1 - multiplier" if mult_tau == 0.1 else "quack-t1 - multiplier"
+    assert row["measured"].startswith(want) and f"{(5.2 if mult_tau == 0.1 else 4.9) - 5.1:+.3f}" in row["measured"]

@@ -43,19 +43,33 @@ def _find(groups: list[dict], attention: str, method: str = "none", controller: 
     return sorted(gs, key=lambda g: g["sweep"][g["chosen"]]["select"]["mean"])
 
 
-def _pair(groups, a: tuple, b: tuple, metric: str) -> tuple[dict | None, str]:
-    """Paired difference a - b of ``metric`` (same study and grid point), or None and why not."""
+def _option(g: dict, key: str):
+    """The value of the group's controller option ``key`` (e.g. QuacK's tau), or None."""
+    return (g.get("qk_options") or {}).get(g["controller"], {}).get(key)
+
+
+def _pair(groups, a: tuple, b: tuple, metric: str, match: str | None = None) -> tuple[dict | None, str]:
+    """Paired difference a - b of ``metric`` (same study and grid point), or None and why not. With
+    ``match``, the best pair whose controllers share that option's value (QuacK against the multiplier
+    at the same tau) comes first; without such a pair, the best of each, said in the measurement."""
     ga, gb = _find(groups, *a), _find(groups, *b)
     if not ga or not gb:
         missing = [_name(x) for x, g in ((a, ga), (b, gb)) if not g]
         return None, f"no finished cells of {' and '.join(missing)} in these results"
-    for x in ga:
-        for y in gb:
-            if x["study"] == y["study"] and x["point"] == y["point"]:
-                d = paired_difference(x["at_chosen"][metric], y["at_chosen"][metric])
-                d["a"], d["b"] = x["variant"], y["variant"]
-                return d, ""
-    return None, "the two methods never ran in the same study and grid point"
+    pairs = [(x, y) for x in ga for y in gb if x["study"] == y["study"] and x["point"] == y["point"]]
+    if not pairs:
+        return None, "the two methods never ran in the same study and grid point"
+    note = ""
+    if match:
+        same = [(x, y) for x, y in pairs if _option(x, match) is not None and _option(x, match) == _option(y, match)]
+        if same:
+            pairs, note = same, f" (same {match}: {_option(same[0][0], match):g})"
+        else:
+            note = f" (no pair at the same {match}: each at its best)"
+    x, y = pairs[0]
+    d = paired_difference(x["at_chosen"][metric], y["at_chosen"][metric])
+    d["a"], d["b"], d["note"] = x["variant"], y["variant"], note
+    return d, ""
 
 
 def _verdict_less(d: dict | None, why: str, what: str, margin: float = 0.0) -> tuple[str, str, str]:
@@ -65,7 +79,7 @@ def _verdict_less(d: dict | None, why: str, what: str, margin: float = 0.0) -> t
     if d["n"] == 0:
         return "not measurable", "-", f"no seed has a finite {what} for both"
     meas = f"{d['a']} - {d['b']}: {d['mean']:+.3f}, 95% CI {fmt_ci(d['ci_lo'], d['ci_hi'])}, n={d['n']}" + (
-        f", p={d['p']:.3g}" if math.isfinite(d["p"]) else "")
+        f", p={d['p']:.3g}" if math.isfinite(d["p"]) else "") + d.get("note", "")
     if d["n"] < 2:
         return "inconclusive", meas, "one seed: no interval"
     if d["ci_hi"] < margin:
@@ -75,8 +89,8 @@ def _verdict_less(d: dict | None, why: str, what: str, margin: float = 0.0) -> t
     return "inconclusive", meas, "the interval contains " + (f"{margin:+g}" if margin else "0")
 
 
-def _less(a, b, metric, what, margin=0.0):
-    return lambda groups: _verdict_less(*_pair(groups, a, b, metric), what, margin)
+def _less(a, b, metric, what, margin=0.0, match=None):
+    return lambda groups: _verdict_less(*_pair(groups, a, b, metric, match), what, margin)
 
 
 def _stable_rate(a: tuple, b: tuple) -> Callable[[list[dict]], tuple[str, str, str]]:
@@ -178,8 +192,10 @@ CLAIMS: list[Claim] = [
     Claim("QuacK", f"competitive with QK-Norm with MHA (not worse by more than {COMPETITIVE_MARGIN} nats)",
           "report-split loss, paired over seeds",
           _less((MHA, "none", "quack"), QKN, "report_loss", "report loss", COMPETITIVE_MARGIN)),
-    Claim("QuacK", "better than the fixed-multiplier ablation", "report-split loss, paired over seeds",
-          _less((MHA, "none", "quack"), (MHA, "none", "qk_lr_multiplier"), "report_loss", "report loss")),
+    Claim("QuacK", "better than the fixed-multiplier ablation",
+          "report-split loss, paired over seeds, QuacK and the multiplier at the same tau where both ran",
+          _less((MHA, "none", "quack"), (MHA, "none", "qk_lr_multiplier"), "report_loss", "report loss",
+                match="tau")),
     Claim("QuacK", "keeps attention logits smaller than no intervention", "max attention logit at the end",
           _less((MHA, "none", "quack"), STD, "max_logit", "max logit")),
     Claim("QuacK", "its advantage over no intervention grows with width (the paper's argument)",

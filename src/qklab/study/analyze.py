@@ -122,6 +122,7 @@ def _group(key: tuple, rs: list[dict]) -> dict[str, Any]:
     return {"study": study, "variant": variant, "point": point, "order": 0,
             "attention": first.get("attention", cfg.get("model", {}).get("attention", "mha")),
             "method": first.get("method"), "controller": first.get("controller"),
+            "qk_options": cfg.get("qk", {}).get("options", {}),  # e.g. {"quack": {"tau": 0.1, ...}}
             "seq_len": cfg.get("train", {}).get("seq_len"), "d_model": cfg.get("model", {}).get("d_model"),
             "n_cells": len(rs),
             "failed": [{"cell": r["cell"], "failure": r.get("failure"), "log": r.get("log")}
