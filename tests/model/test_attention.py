@@ -104,3 +104,30 @@ def test_rope_is_relative():
     q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
     dots = [(model.rope(q, p + 3) * model.rope(k, p)).sum() for p in (0, 5, 20)]
     torch.testing.assert_close(torch.stack(dots), dots[0].expand(3))
+
+
+@pytest.mark.parametrize("dq, dv", [(48, 32), (32, 48)])
+@pytest.mark.parametrize("tq", [12, 5, 1])
+def test_sdpa_with_unequal_head_widths_matches_softmax_formula(dq, dv, tq):
+    """MLA's q/k are wider than v: on CPU the narrower side is zero-padded so the flash kernel runs (not
+    the math fallback); values and gradients equal softmax(q k^T * scale + causal mask) v."""
+    from torch.profiler import profile
+
+    from qklab.model.attention import causal_mask, sdpa_causal
+
+    torch.manual_seed(0)
+    B, H, Tk, scale = 2, 3, 12, 0.17
+    q, k = torch.randn(B, H, tq, dq, requires_grad=True), torch.randn(B, H, Tk, dq, requires_grad=True)
+    v = torch.randn(B, H, Tk, dv, requires_grad=True)
+    with profile() as prof:
+        y = sdpa_causal(q, k, v, scale)
+    names = {e.name for e in prof.events()}
+    assert "aten::_scaled_dot_product_attention_math" not in names
+    s = (q @ k.transpose(-2, -1)) * scale
+    ref = torch.softmax(s.masked_fill(~causal_mask(tq, Tk, q.device), float("-inf")), dim=-1) @ v
+    assert y.shape == (B, H, tq, dv)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    w = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad((y * w).sum(), (q, k, v)), torch.autograd.grad((ref * w).sum(), (q, k, v)),
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -46,7 +46,17 @@ def causal_mask(Tq: int, Tk: int, device: torch.device) -> torch.Tensor:
 
 def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool = False) -> torch.Tensor:
     """Causal fused attention of q (B, H, Tq, F) over the last-Tq-aligned keys k (B, Hk, Tk, F) and v;
-    (B, H, Tq, Dv). A single query (decoding) sees every key, so it needs no mask."""
+    (B, H, Tq, Dv). A single query (decoding) sees every key, so it needs no mask.
+
+    PyTorch's CPU flash kernel needs one head width for q, k and v; with another (MLA: q/k nope + rope,
+    v narrower) it falls back to the math path, which keeps the (Tq, Tk) probabilities. So on CPU the
+    narrower side is zero-padded: zero columns of v give output columns that are sliced off, zero
+    columns of q and k add nothing to q.k (the scale is explicit)."""
+    Fq, Dv = q.shape[-1], v.shape[-1]
+    if Fq != Dv and q.device.type == "cpu":
+        if Dv < Fq:
+            return sdpa_causal(q, k, F.pad(v, (0, Fq - Dv)), scale, gqa)[..., :Dv]
+        q, k = F.pad(q, (0, Dv - Fq)), F.pad(k, (0, Dv - Fq))
     Tq, Tk = q.shape[2], k.shape[2]
     if Tq == Tk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
