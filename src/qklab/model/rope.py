@@ -112,7 +112,8 @@ class Rope(nn.Module):
         self.yarn = yarn
         self._tables: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def _all_tables(self, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def tables(self, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """cos, sin and the signed sin (-sin_1, sin_2), each (max_len, dim), made once per (dim, device)."""
         key = (dim, device)
         if key not in self._tables:
             cos, sin = rope_tables(dim, self.max_len, self.theta, device, self.yarn)
@@ -120,16 +121,12 @@ class Rope(nn.Module):
             self._tables[key] = cos, sin, torch.cat([-sin[:, :h], sin[:, h:]], dim=-1)
         return self._tables[key]
 
-    def tables(self, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape (max_len, dim)."""
-        return self._all_tables(dim, device)[:2]
-
     def window(self, x: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """cos, sin, signed sin (T, D) for x (..., T, D) at positions pos .., in x's dtype."""
         T, D = x.shape[-2], x.shape[-1]
         if pos + T > self.max_len:
             raise ValueError(f"position {pos + T} exceeds model.max_seq_len={self.max_len}")
-        return tuple(t[pos : pos + T].to(x.dtype) for t in self._all_tables(D, x.device))
+        return tuple(t[pos : pos + T].to(x.dtype) for t in self.tables(D, x.device))
 
     def forward(self, x: torch.Tensor, pos: int = 0) -> torch.Tensor:
         cos, sin, sin_s = self.window(x, pos)  # (T, D)
