@@ -7,6 +7,7 @@ import contextlib
 import io
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -77,7 +78,8 @@ def child(argv: list[str], prelude: str = "") -> subprocess.Popen:
     code = f"import sys\n{prelude}\nfrom qklab.cli import main\nsys.exit(main({argv!r}))\n"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,  # SIGINT handled as in a terminal, even
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # under `nohup &`
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120.0) -> None:

@@ -114,6 +114,68 @@ def test_sweep_shorthand_is_a_study(tmp_path):
         sweep_study("tiny", ["a:qk.method=none"], "a,b", tmp_path, [])
 
 
+def test_background_study_ignores_sigint_and_a_stopped_cell_stops_it(tmp_path):
+    """Started with Ctrl-C ignored (`nohup ... &`), neither the study nor its cell stops on SIGINT. When a
+    cell is stopped by a signal (SIGTERM to the worker alone), the study starts none of its queued cells
+    and says so in one line: whoever stopped a cell is stopping the study."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from qklab.train.metrics import read_metrics
+    from qklab.train.runfolder import LOCK
+
+    study_file = tmp_path / "s.toml"
+    study_file.write_text(f"""
+[study]
+config = "tiny"
+seeds = [0]
+[study.set]
+"train.steps" = 2000
+"train.lr" = 1e-2
+"train.eval_every" = 1000
+"train.ckpt_every" = 20
+"train.diag_every" = 0
+"data.max_files" = 20
+"data.cache_dir" = "{tmp_path}/cache"
+[variants.a]
+"qk.method" = "none"
+[variants.b]
+"qk.method" = "qknorm"
+""")
+    cmd = [sys.executable, "-m", "qklab.cli", "study", "run", str(study_file), "--out", str(tmp_path / "o"),
+           "--workers", "1", "--no-report"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    cell = tmp_path / "o" / "cells" / "a_lr1_s0"
+
+    def last_step() -> int:
+        p = cell / "metrics.jsonl"
+        return max((r["step"] for r in read_metrics(p) if "loss" in r), default=0) if p.exists() else 0
+
+    def wait_past(step: int) -> int:
+        deadline = time.time() + 600
+        while (now := last_step()) <= step:
+            assert time.time() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        return now
+
+    at = wait_past(20)
+    os.killpg(proc.pid, signal.SIGINT)  # ignored by the study and by its cell
+    wait_past(at + 30)
+    assert proc.poll() is None
+    os.kill(int((cell / LOCK).read_text()), signal.SIGTERM)  # the worker alone
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 1, out + err
+    assert "a_lr1_s0: stopped by a signal" in out and "1 queued cell(s) not started" in out
+    assert err.strip().splitlines()[-1] == ("qklab: study s stopped: 1 cell(s) stopped by a signal, 1 not started; "
+                                            "run the same command to continue")
+    assert not (tmp_path / "o" / "cells" / "b_lr1_s0").exists()
+    assert list((cell / "ckpt").glob("step_*"))
+
+
 def test_interrupted_study_resumes_without_loss(tmp_path):
     """Ctrl-C (SIGINT to the process group) mid-cell: the cell checkpoints and stops, no result is written
     for it, and the next run resumes it to the same numbers as an uninterrupted run."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from qklab.config import ConfigError, resolve_named_file
@@ -56,4 +57,8 @@ def study_command(args: argparse.Namespace) -> int:
         return 0
     outcome, _ = run_and_report(study, out, results, _workers(args.workers, default_workers),
                                 report=not args.no_report)
+    if outcome.stopped:
+        print(f"qklab: study {study.name} stopped: {len(outcome.stopped)} cell(s) stopped by a signal, "
+              f"{len(outcome.not_started)} not started; run the same command to continue", file=sys.stderr)
+        return 1
     return 1 if outcome.counts()["failed"] else 0

@@ -42,6 +42,8 @@ class Outcome:
     results: dict[str, dict[str, Any]] = field(default_factory=dict)  # cell id -> result
     ran: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    stopped: list[str] = field(default_factory=list)  # stopped by a signal after a checkpoint: resumable
+    not_started: list[str] = field(default_factory=list)  # queued when a cell was stopped
 
     def counts(self) -> Counter:
         return Counter(r["status"] for r in self.results.values())
@@ -303,6 +305,11 @@ def _pool(cells: list[Cell], study: Study, out: Path, results: Path, workers: in
                 if res is None and p.exitcode in STOPPED:  # stopped by a signal after a checkpoint: not done,
                     log(f"  {cid}: stopped by a signal; the next run resumes it")  # not failed
                     outcome.ran.append(cid)
+                    outcome.stopped.append(cid)
+                    if queue:  # whoever stopped a cell is stopping the study: start nothing more
+                        log(f"  {len(queue)} queued cell(s) not started; run the same command to continue")
+                        outcome.not_started += [c.id for c in queue]
+                        queue.clear()
                     continue
                 if res is None or (p.exitcode != 0 and res.get("status") not in DONE + ("failed",)):
                     res = failed_result(cell_header(cell, study.name, out / "logs" / f"{cid}.log"),

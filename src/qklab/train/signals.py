@@ -3,7 +3,8 @@
 Schedulers send SIGTERM before they kill a job, and Ctrl-C sends SIGINT. While ``StopSignals`` is
 active the first of either only sets a flag; the training loop checks it after each step, writes a
 checkpoint and raises ``RunInterrupted``. A second signal interrupts at once (KeyboardInterrupt): the
-last checkpoint is intact either way, since checkpoints are written atomically.
+last checkpoint is intact either way, since checkpoints are written atomically. A process started with
+SIGINT ignored (a background job, `nohup ... &`) keeps ignoring it, as Unix programs do; SIGTERM stops it.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class StopSignals:
     def install(self) -> None:
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
             for s in self.SIGNALS:
+                if s == signal.SIGINT and signal.getsignal(s) == signal.SIG_IGN:
+                    continue  # started with Ctrl-C ignored (`nohup ... &`): keep ignoring it, as the shell asked
                 self._old[s] = signal.signal(s, self._handle)
 
     def restore(self) -> None:
