@@ -114,17 +114,12 @@ def test_sweep_shorthand_is_a_study(tmp_path):
         sweep_study("tiny", ["a:qk.method=none"], "a,b", tmp_path, [])
 
 
-def test_background_study_ignores_sigint_and_a_stopped_cell_stops_it(tmp_path):
-    """Started with Ctrl-C ignored (`nohup ... &`), neither the study nor its cell stops on SIGINT. When a
-    cell is stopped by a signal (SIGTERM to the worker alone), the study starts none of its queued cells
-    and says so in one line: whoever stopped a cell is stopping the study."""
+def _study_process(tmp_path, steps: int, eval_every: int, variants: dict[str, str], sigint):
+    """``qklab study run`` of a tiny study in its own session, SIGINT set to ``sigint`` (SIG_DFL: as in a
+    terminal; SIG_IGN: as under `nohup ... &`). Returns the process and the command (to run it again)."""
     import os
     import signal
     import subprocess
-    import time
-
-    from qklab.train.metrics import read_metrics
-    from qklab.train.runfolder import LOCK
 
     study_file = tmp_path / "s.toml"
     study_file.write_text(f"""
@@ -132,23 +127,34 @@ def test_background_study_ignores_sigint_and_a_stopped_cell_stops_it(tmp_path):
 config = "tiny"
 seeds = [0]
 [study.set]
-"train.steps" = 2000
+"train.steps" = {steps}
 "train.lr" = 1e-2
-"train.eval_every" = 1000
+"train.eval_every" = {eval_every}
 "train.ckpt_every" = 20
 "train.diag_every" = 0
 "data.max_files" = 20
 "data.cache_dir" = "{tmp_path}/cache"
-[variants.a]
-"qk.method" = "none"
-[variants.b]
-"qk.method" = "qknorm"
-""")
+""" + "".join(f'[variants.{k}]\n"qk.method" = "{m}"\n' for k, m in variants.items()))
     cmd = [sys.executable, "-m", "qklab.cli", "study", "run", str(study_file), "--out", str(tmp_path / "o"),
            "--workers", "1", "--no-report"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
+    return proc, cmd, env
+
+
+def test_background_study_ignores_sigint_and_a_stopped_cell_stops_it(tmp_path):
+    """Started with Ctrl-C ignored (`nohup ... &`), neither the study nor its cell stops on SIGINT. When a
+    cell is stopped by a signal (SIGTERM to the worker alone), the study starts none of its queued cells
+    and says so in one line: whoever stopped a cell is stopping the study."""
+    import os
+    import signal
+    import time
+
+    from qklab.train.metrics import read_metrics
+    from qklab.train.runfolder import LOCK
+
+    proc, _, _ = _study_process(tmp_path, 2000, 1000, {"a": "none", "b": "qknorm"}, signal.SIG_IGN)
     cell = tmp_path / "o" / "cells" / "a_lr1_s0"
 
     def last_step() -> int:
@@ -184,34 +190,14 @@ def test_interrupted_study_resumes_without_loss(tmp_path):
     import subprocess
     import time
 
-    study_file = tmp_path / "s.toml"
-    study_file.write_text(f"""
-[study]
-config = "tiny"
-seeds = [0]
-[study.set]
-"train.steps" = 400
-"train.lr" = 1e-2
-"train.eval_every" = 60
-"train.ckpt_every" = 20
-"train.diag_every" = 0
-"data.max_files" = 20
-"data.cache_dir" = "{tmp_path}/cache"
-[variants.a]
-"qk.method" = "none"
-""")
-    cmd = [sys.executable, "-m", "qklab.cli", "study", "run", str(study_file), "--out", str(tmp_path / "o"),
-           "--workers", "1", "--no-report"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal
+    proc, cmd, env = _study_process(tmp_path, 400, 60, {"a": "none"}, signal.SIG_DFL)
     ckpt = tmp_path / "o" / "cells" / "a_lr1_s0" / "ckpt"
     deadline = time.time() + 600
     while not list(ckpt.glob("step_*")):  # interrupt once the cell has its first checkpoint
         assert time.time() < deadline and proc.poll() is None, "the cell never reached its first checkpoint"
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGINT)
-    out = proc.communicate(timeout=240)[0].decode()
+    out = "".join(proc.communicate(timeout=240))
     assert proc.returncode != 0, out
     assert not (tmp_path / "o" / "results" / "a_lr1_s0" / "result.json").exists()
     assert list((tmp_path / "o" / "cells" / "a_lr1_s0" / "ckpt").glob("step_*"))
