@@ -229,3 +229,51 @@ def test_multiplier_claim_pairs_quack_at_the_same_tau(tmp_path, mult_tau, verdic
     assert note in row["measured"]
     want = "quack-t0.1 - multiplier" if mult_tau == 0.1 else "quack-t1 - multiplier"
     assert row["measured"].startswith(want) and f"{(5.2 if mult_tau == 0.1 else 4.9) - 5.1:+.3f}" in row["measured"]
+
+
+def test_claims_pair_within_one_study_and_prefer_the_tuning_grid(tmp_path):
+    """Combined studies: each claim pairs methods that ran in the same study (a width ladder's lower loss,
+    or a Muon study's `none`, must not stand in for the study built for the claim); the stable-rate
+    claim takes each method at its best option (the QK-clip threshold stable up to the higher rate)."""
+    from qklab.report.claims import claims_table
+    from qklab.study.analyze import analyze, load_results
+
+    def study(name, variants, mults):
+        res = tmp_path / name
+        write_json_atomic(res / "study.json", {"name": name, "config": "tiny", "seeds": [0, 1, 2],
+                                               "variants": {v: {} for v in variants},
+                                               "protocol": {"reference": "none", "lr_mults": mults}})
+        return res
+
+    noise = [0.0, 0.01, -0.01]
+    lc = study("lc", ["none", "quack", "clip-a", "clip-b"], [1.0, 2.0, 4.0])
+    for s, n in enumerate(noise):
+        for m in (1.0, 2.0, 4.0):
+            for v, ctrl, loss, logit, div in (("none", "none", 4.0, 80.0, m == 4.0),
+                                              ("quack", "quack", 4.1, 20.0, False),
+                                              ("clip-a", "qkclip", 4.3, 30.0, False),  # stable to x4
+                                              ("clip-b", "qkclip", 4.05, 40.0, m == 4.0 and s == 0)):
+                c = result(v, m, s, loss + n + 0.01 * m, loss + n + 0.01 * m, controller=ctrl, max_logit=logit,
+                           study="lc")
+                c["diverged"], c["status"] = div, "diverged" if div else "ok"
+                write_json_atomic(lc / c["cell"] / "result.json", c)
+    w = study("w", ["none", "quack"], [2.0, 4.0])  # lower losses, quack's logits above none's
+    qm = study("qm", ["none", "qkmap"], [1.0])  # AdamW, with probes
+    for s, n in enumerate(noise):
+        for m in (2.0, 4.0):
+            for v, ctrl, logit in (("none", "none", 10.0), ("quack", "quack", 50.0)):
+                c = result(v, m, s, 3.0 + n, 3.0 + n, controller=ctrl, max_logit=logit, study="w")
+                write_json_atomic(w / c["cell"] / "result.json", c)
+        for v, method, contrast in (("none", "none", 1.0), ("qkmap", "qkmap", 1.5)):
+            c = result(v, 1.0, s, 4.5 + n, 4.5 + n, method=method, study="qm", probe=probe(0.1, contrast + n))
+            write_json_atomic(qm / c["cell"] / "result.json", c)
+    rows = {r["claim"]: r for r in claims_table(analyze(*load_results([lc, w, qm]))["groups"])}
+    r = rows["allows a higher base learning rate than no intervention (MHA)"]
+    assert r["verdict"] == "agree" and "quack x4, none x2 (grid up to x4)" in r["measured"], r
+    r = rows["stable where QK-clip diverges at high rates (MHA)"]  # clip-b has the better loss, clip-a the rate
+    assert r["verdict"] == "inconclusive" and "quack x4, clip-a x4" in r["measured"], r
+    assert r["reason"] == "neither diverged within the grid; extend it upward"
+    r = rows["keeps attention logits smaller than no intervention"]  # from lc (20 vs 80), not w (50 vs 10)
+    assert r["verdict"] == "agree" and r["measured"].startswith("quack - none: -60.000"), r
+    r = rows["stronger attention contrast on relevant evidence at long context"]  # qm's probes
+    assert r["verdict"] == "agree" and r["measured"].startswith("none - qkmap: -0.500"), r

@@ -48,17 +48,28 @@ def _option(g: dict, key: str):
     return (g.get("qk_options") or {}).get(g["controller"], {}).get(key)
 
 
+def _places(groups, a: tuple, b: tuple) -> tuple[list[tuple[dict, dict]], str]:
+    """Pairs (x of kind a, y of kind b) that ran in the same study and grid point, so that they share the
+    data, the shape and the optimizer: the pairs with the widest rate grids first (the study built to
+    tune them, not a width ladder at two fixed rates), then by selection loss. Else [] and why not."""
+    ga, gb = _find(groups, *a), _find(groups, *b)
+    if not ga or not gb:
+        missing = [_name(x) for x, g in ((a, ga), (b, gb)) if not g]
+        return [], f"no finished cells of {' and '.join(missing)} in these results"
+    pairs = [(x, y) for x in ga for y in gb if x["study"] == y["study"] and x["point"] == y["point"]]
+    if not pairs:
+        return [], "the two methods never ran in the same study and grid point"
+    pairs.sort(key=lambda p: -(len(p[0]["sweep"]) + len(p[1]["sweep"])))  # stable: selection order kept
+    return pairs, ""
+
+
 def _pair(groups, a: tuple, b: tuple, metric: str, match: str | None = None) -> tuple[dict | None, str]:
     """Paired difference a - b of ``metric`` (same study and grid point), or None and why not. With
     ``match``, the best pair whose controllers share that option's value (QuacK against the multiplier
     at the same tau) comes first; without such a pair, the best of each, said in the measurement."""
-    ga, gb = _find(groups, *a), _find(groups, *b)
-    if not ga or not gb:
-        missing = [_name(x) for x, g in ((a, ga), (b, gb)) if not g]
-        return None, f"no finished cells of {' and '.join(missing)} in these results"
-    pairs = [(x, y) for x in ga for y in gb if x["study"] == y["study"] and x["point"] == y["point"]]
+    pairs, why = _places(groups, a, b)
     if not pairs:
-        return None, "the two methods never ran in the same study and grid point"
+        return None, why
     note = ""
     if match:
         same = [(x, y) for x, y in pairs if _option(x, match) is not None and _option(x, match) == _option(y, match)]
@@ -94,23 +105,33 @@ def _less(a, b, metric, what, margin=0.0, match=None):
 
 
 def _stable_rate(a: tuple, b: tuple) -> Callable[[list[dict]], tuple[str, str, str]]:
-    """Claim: a tolerates a higher base rate than b (highest rate with no diverged seed)."""
+    """Claim: a tolerates a higher base rate than b: the highest rate with no diverged seed, each method at
+    its best option (e.g. QuacK's best tau, QK-clip's best threshold) within one study and grid point."""
     def test(groups):
-        ga, gb = _find(groups, *a), _find(groups, *b)
-        if not ga or not gb:
-            return "not measurable", "-", f"needs finished cells of both {_name(a)} and {_name(b)}"
-        x, y = ga[0], gb[0]
-        if len(x["sweep"]) < 2 or len(y["sweep"]) < 2:
+        pairs, why = _places(groups, a, b)
+        if not pairs:
+            return "not measurable", "-", why
+        x0, y0 = pairs[0]
+        here = [g for g in groups if g["study"] == x0["study"] and g["point"] == x0["point"]]
+        xs = [g for g in _find(here, *a) if len(g["sweep"]) >= 2]
+        ys = [g for g in _find(here, *b) if len(g["sweep"]) >= 2]
+        if not xs or not ys:
             return "not measurable", "-", "needs a learning-rate grid (one rate per method was run)"
-        hx, hy = x["highest_stable"], y["highest_stable"]
-        meas = (f"highest rate with no diverged seed: {x['variant']} x{hx if hx is not None else '-'}, "
-                f"{y['variant']} x{hy if hy is not None else '-'} (of x{min(x['sweep']):g}..x{max(x['sweep']):g})")
-        top = max(x["sweep"])
+
+        def best(gs):  # the variant stable up to the highest rate (None: every variant diverged everywhere)
+            g = max(gs, key=lambda g: -math.inf if g["highest_stable"] is None else g["highest_stable"])
+            return g, g["highest_stable"]
+
+        (x, hx), (y, hy) = best(xs), best(ys)
+        tops = {max(g["sweep"]) for g in xs + ys}
+        rate = lambda h: f"x{h:g}" if h is not None else "none"  # noqa: E731
+        meas = (f"highest rate with no diverged seed: {x['variant']} {rate(hx)}, {y['variant']} {rate(hy)} "
+                f"(grid up to x{max(tops):g})")
         if hx is None or hy is None:
             return "inconclusive", meas, "a method diverged at every rate"
         if hx > hy:
             return "agree", meas, "stable at a higher rate"
-        if hx == hy == top:
+        if hx == hy and hx in tops:
             return "inconclusive", meas, "neither diverged within the grid; extend it upward"
         return "disagree", meas, "not stable at a higher rate"
     return test
@@ -118,16 +139,18 @@ def _stable_rate(a: tuple, b: tuple) -> Callable[[list[dict]], tuple[str, str, s
 
 def _probe_claim(key: str, a: tuple, b: tuple, higher: bool) -> Callable[[list[dict]], tuple[str, str, str]]:
     def test(groups):
-        ga, gb = _find(groups, *a), _find(groups, *b)
-        if not ga or not gb:
-            return "not measurable", "-", f"needs finished cells of both {_name(a)} and {_name(b)}"
-        sa = {s: float(p[key]) for s, p in ga[0]["probe_by_seed"].items() if p.get(key) is not None}
-        sb = {s: float(p[key]) for s, p in gb[0]["probe_by_seed"].items() if p.get(key) is not None}
+        pairs, why = _places(groups, a, b)
+        if not pairs:
+            return "not measurable", "-", why
+        probed = [(x, y) for x, y in pairs if x["probes"] and y["probes"]]  # the study that ran the probes
+        x, y = (probed or pairs)[0]
+        sa = {s: float(p[key]) for s, p in x["probe_by_seed"].items() if p.get(key) is not None}
+        sb = {s: float(p[key]) for s, p in y["probe_by_seed"].items() if p.get(key) is not None}
         if not sa or not sb:
             return "not measurable", "-", ("no attention probes in these results (set [protocol] probe = 1 or more)"
-                                           if not ga[0]["probes"] else f"the probes have no '{key}'")
+                                           if not probed else f"the probes have no '{key}'")
         d = paired_difference(sb, sa) if higher else paired_difference(sa, sb)
-        d["a"], d["b"] = (gb[0]["variant"], ga[0]["variant"]) if higher else (ga[0]["variant"], gb[0]["variant"])
+        d["a"], d["b"] = (y["variant"], x["variant"]) if higher else (x["variant"], y["variant"])
         return _verdict_less(d, "", key)
     return test
 
