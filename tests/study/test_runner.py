@@ -63,6 +63,36 @@ def test_cells_recorded_and_rerun_skips(tmp_path):
     assert o3.ran == ["bad_lr1_s0"] and sorted(o3.skipped) == sorted(o2.skipped)
 
 
+def test_reuse_copies_cells_of_the_same_config_from_another_study(tmp_path, monkeypatch):
+    """A width ladder whose middle width is another study's shape: those cells are copied (same config
+    hash), named for this study, and not trained; the others are trained; a wrong folder is one line."""
+    first = _study(tmp_path, {"std": {"qk.method": "none"}})
+    run_study(first, tmp_path / "runs1", tmp_path / "res1", workers=0, log=lambda s: None)
+    src = read_result(tmp_path / "res1" / "std_lr1_s0" / "result.json")
+    monkeypatch.chdir(tmp_path)
+    raw = {"study": {"config": "tiny", "seeds": [0], "set": {**COMMON, "data.cache_dir": str(tmp_path / "cache")}},
+           "grid": {"shape": [{"model.d_model": 32}, {"model.d_model": 64}]},  # tiny is 64 wide
+           "variants": {"none": {"qk.method": "none"}}, "protocol": {"reference": "none", "reuse": ["res1"]}}
+    ladder = parse_study(raw, "ladder")
+    lines: list[str] = []
+    o = run_study(ladder, tmp_path / "runs2", tmp_path / "res2", workers=0, log=lines.append)
+    copied_id = next(c.id for c in ladder.cells if dict(c.point)["shape"] == {"model.d_model": 64})
+    trained_id = next(c.id for c in ladder.cells if c.id != copied_id)
+    assert o.ran == [trained_id] and o.skipped == [copied_id]
+    assert "1 done (1 reused from res1), 1 to run" in lines[0]
+    assert not (tmp_path / "runs2" / "cells" / copied_id).exists()
+    got = read_result(tmp_path / "res2" / copied_id / "result.json")
+    assert got["study"] == "ladder" and got["cell"] == copied_id and got["reused_from"] == "res1/std_lr1_s0"
+    assert got["point"] == {"shape": {"model.d_model": 64}} and got["variant"] == "none"
+    assert got["final"] == src["final"] and got["curves"] == src["curves"] and got["cell_hash"] == src["cell_hash"]
+    assert read_result(tmp_path / "res2" / trained_id / "result.json")["config"]["model"]["d_model"] == 32
+    o2 = run_study(ladder, tmp_path / "runs2", tmp_path / "res2", workers=0, log=lambda s: None)
+    assert o2.ran == [] and sorted(o2.skipped) == sorted([copied_id, trained_id])  # now simply done
+    raw["protocol"]["reuse"] = ["res9"]
+    with pytest.raises(ConfigError, match=r"\[protocol\] reuse: no result folder res9"):
+        run_study(parse_study(raw, "ladder"), tmp_path / "runs3", tmp_path / "res3", workers=0, log=lambda s: None)
+
+
 def test_changed_config_reruns_and_any_exception_is_recorded(tmp_path, monkeypatch):
     from qklab.train import trainer as trainer_mod
 

@@ -8,9 +8,10 @@
         <cell>/result.json          one per finished or failed cell
 
 A cell whose result file exists, says ok or diverged and matches the cell's config hash is done and
-skipped, so a study continues from committed results alone, on another machine. A failed cell is run
-again. An interrupted cell resumes from its last checkpoint. Each worker process gets an equal share of
-the CPU threads. Data is prepared once per distinct ``data.*`` config, before any cell starts.
+skipped, so a study continues from committed results alone, on another machine. A cell with the same
+config hash as a finished cell of another study listed in ``[protocol] reuse`` is copied, not rerun. A
+failed cell is run again. An interrupted cell resumes from its last checkpoint. Each worker process gets
+an equal share of the CPU threads. Data is prepared once per distinct ``data.*`` config, before any cell starts.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from qklab.config import ConfigError
 from qklab.study.result import build_result, cell_header, failed_result, read_result, write_json_atomic
 from qklab.study.spec import Cell, Study, cell_hash, legacy_cell_hash
 
@@ -190,6 +192,23 @@ def cell_status(cell: Cell, results: Path, out: Path) -> tuple[str, dict | None]
     return "stale", res
 
 
+def reuse_index(folders: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Finished (ok or diverged) results of other studies by config hash: a cell of this study with the same
+    hash computes exactly what that cell computed, so its result is copied (under this study's name, cell
+    id and grid point, with ``reused_from``) instead of being trained again."""
+    index: dict[str, tuple[str, dict[str, Any]]] = {}
+    for folder in folders:
+        path = Path(folder)
+        if not path.is_dir():
+            raise ConfigError(f"[protocol] reuse: no result folder {folder} (relative to {Path.cwd()}); "
+                              "fix the path or drop it from the list")
+        for f in sorted(path.glob("*/result.json")):
+            res = read_result(f)
+            if res is not None and res.get("status") in DONE and res.get("cell_hash"):
+                index.setdefault(res["cell_hash"], (f"{folder.rstrip('/')}/{f.parent.name}", res))
+    return index
+
+
 def run_study(study: Study, out: Path, results: Path | None = None, workers: int = 1,
               log=print) -> Outcome:
     """Run every cell that is not done; ``workers`` processes at a time (0: in this process, serially)."""
@@ -201,16 +220,24 @@ def run_study(study: Study, out: Path, results: Path | None = None, workers: int
     write_json_atomic(results / "study.json", study.to_dict())
     outcome = Outcome()
     todo: list[Cell] = []
-    stale = 0
+    stale = reused = 0
+    index = reuse_index(study.protocol.reuse)
     for cell in study.cells:
         status, res = cell_status(cell, results, out)
+        src = index.get(cell_hash(_cell_cfg(cell, out, 1))) if status != "done" and index else None
+        if src is not None and (src[1].get("probe") or not study.protocol.probe):
+            res = {**src[1], **cell_header(cell, study.name, Path(str(src[1].get("log")))), "reused_from": src[0]}
+            write_json_atomic(results / cell.id / "result.json", res)
+            status, reused = "done", reused + 1
         if status == "done":
             outcome.results[cell.id], _ = res, outcome.skipped.append(cell.id)
         else:
             stale += status == "stale"
             todo.append(cell)
-    log(f"study {study.name}: {len(study.cells)} cells, {len(outcome.skipped)} done, {len(todo)} to run"
-        + (f" ({stale} with results of a changed config)" if stale else "") + f"; results in {results}")
+    log(f"study {study.name}: {len(study.cells)} cells, {len(outcome.skipped)} done"
+        + (f" ({reused} reused from {', '.join(study.protocol.reuse)})" if reused else "")
+        + f", {len(todo)} to run" + (f" ({stale} with results of a changed config)" if stale else "")
+        + f"; results in {results}")
     if not todo:
         return outcome
     # data: once per distinct data config, before any worker starts (workers then reuse the cache)

@@ -53,6 +53,7 @@ class Protocol:
     lr_key: str = "train.lr"
     data_seed: int = 0
     probe: int = 0  # 0: none; N: qklab probe on each finished cell, contexts up to N training lengths
+    reuse: list[str] = field(default_factory=list)  # other studies' result folders: same config, not rerun
 
     def mults(self, variant: str) -> list[float]:
         return self.lr_mults_for.get(variant, self.lr_mults)
@@ -62,7 +63,7 @@ class Protocol:
 
     def to_dict(self) -> dict[str, Any]:
         return {"reference": self.reference, "lr_mults": self.lr_mults, "lr_mults_for": self.lr_mults_for,
-                "lr_key": self.lr_key, "data_seed": self.data_seed, "probe": self.probe}
+                "lr_key": self.lr_key, "data_seed": self.data_seed, "probe": self.probe, "reuse": self.reuse}
 
 
 @dataclass(frozen=True)
@@ -235,9 +236,12 @@ def parse_study(raw: dict[str, Any], name: str, path: Path | None = None) -> Stu
     proto = Protocol(reference=ref, lr_mults=_num_list(p.get("lr_mults", [1.0]), "[protocol] lr_mults"),
                      lr_mults_for={k: _num_list(v, f"[protocol] lr_mults_for.{k}")
                                    for k, v in p.get("lr_mults_for", {}).items()},
-                     lr_key=p.get("lr_key", "train.lr"), data_seed=p.get("data_seed", 0), probe=p.get("probe", 0))
+                     lr_key=p.get("lr_key", "train.lr"), data_seed=p.get("data_seed", 0), probe=p.get("probe", 0),
+                     reuse=p.get("reuse", []))
     for k in proto.lr_mults_for:
         _need(k in variants, "[protocol] lr_mults_for", f"'{k}' is not a variant; variants: {', '.join(variants)}")
+    _need(isinstance(proto.reuse, list) and all(isinstance(x, str) for x in proto.reuse), "[protocol] reuse",
+          f"{proto.reuse!r}: use a list of result folders, e.g. [\"docs/results/logit_control_cpu\"]")
     _need(type(proto.probe) is int and proto.probe >= 0, "[protocol] probe",
           f"{proto.probe!r}: use 0 (no probes) or N >= 1 (probe contexts up to N training lengths)")
     _need(isinstance(proto.data_seed, int) and proto.data_seed >= -1, "[protocol] data_seed",
