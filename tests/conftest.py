@@ -11,6 +11,7 @@ from qklab.model import GPT
 def _fp32_deterministic():
     torch.manual_seed(0)
     yield
+    torch.set_flush_denormal(False)  # a Trainer on CPU sets it for the process; each test starts without
 
 
 def tiny_gpt(method: str = "none", n_kv_heads: int = 0, impl: str = "auto", **kw) -> GPT:

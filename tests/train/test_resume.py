@@ -134,3 +134,15 @@ def test_sigkill_during_checkpoint_write_keeps_previous(tmp_path):
     # the next save cleans the half-written folder up
     save_checkpoint(tmp_path / "ckpt", 3, model, {})
     assert not list((tmp_path / "ckpt").glob(".tmp-*"))
+
+
+def test_cpu_trainer_flushes_subnormals(tmp_path):
+    """On CPU the trainer reads subnormal floats as zero: after a logit blow-up, softmax gradients fall
+    into that range and sgemm on them runs many times slower (benchmarks/denormal.py)."""
+    tiny = torch.finfo(torch.float32).tiny
+    a, b = torch.tensor([tiny]), torch.tensor([0.25])
+    assert (a * b).item() == tiny / 4  # subnormal results exist before
+    t = Trainer(_cfg(tmp_path, "ftz"), log=lambda s: None)
+    assert t.device.type == "cpu"
+    assert (a * b).item() == 0.0  # ... and are flushed once a CPU trainer is built
+    assert (a * 4).item() == tiny * 4  # normal values are untouched

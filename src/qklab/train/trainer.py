@@ -104,6 +104,10 @@ class Trainer:
         if t.threads:
             torch.set_num_threads(t.threads)
         self.device = self.dist.device(pick_device(t.device))
+        if self.device.type == "cpu":
+            # subnormal floats (< 1.2e-38) as zero: once the logits blow up, softmax gradients underflow into
+            # that range, and a CPU sgemm on subnormal inputs runs ~100x slower (benchmarks/denormal.py)
+            torch.set_flush_denormal(True)
         if self.dist.is_main:
             remove_stale_temps(self.ckpt_dir)  # left by a killed writer or a full disk; frees the space first
         found = newest_usable(self.ckpt_dir, warn=self._say) if resume else None
