@@ -63,7 +63,7 @@ def test_cells_recorded_and_rerun_skips(tmp_path):
     assert o3.ran == ["bad_lr1_s0"] and sorted(o3.skipped) == sorted(o2.skipped)
 
 
-def test_reuse_copies_cells_of_the_same_config_from_another_study(tmp_path, monkeypatch):
+def test_reuse_copies_cells_of_the_same_config_from_another_study(tmp_path, monkeypatch, capsys):
     """A width ladder whose middle width is another study's shape: those cells are copied (same config
     hash), named for this study, and not trained; the others are trained; a wrong folder is one line."""
     first = _study(tmp_path, {"std": {"qk.method": "none"}})
@@ -74,9 +74,28 @@ def test_reuse_copies_cells_of_the_same_config_from_another_study(tmp_path, monk
            "grid": {"shape": [{"model.d_model": 32}, {"model.d_model": 64}]},  # tiny is 64 wide
            "variants": {"none": {"qk.method": "none"}}, "protocol": {"reference": "none", "reuse": ["res1"]}}
     ladder = parse_study(raw, "ladder")
+    copied_id = next(c.id for c in ladder.cells if dict(c.point)["shape"] == {"model.d_model": 64})
+    (tmp_path / "ladder.toml").write_text(f"""[study]
+config = "tiny"
+seeds = [0]
+[study.set]
+{chr(10).join(f'"{k}" = {v!r}' for k, v in {**COMMON, "data.cache_dir": str(tmp_path / "cache")}.items())}
+[grid]
+shape = [{{ "model.d_model" = 32 }}, {{ "model.d_model" = 64 }}]
+[variants.none]
+"qk.method" = "none"
+[protocol]
+reference = "none"
+reuse = ["res1"]
+""")
+    from qklab.cli import main
+
+    assert main(["study", "status", str(tmp_path / "ladder.toml"), "--out", "runs2", "--results", "res2"]) == 0
+    shown = capsys.readouterr().out
+    assert f"{copied_id}" in shown and "reuse  from res1/std_lr1_s0 (ok)" in shown
+    assert "ladder: 0/2 cells done, 1 to reuse" in shown
     lines: list[str] = []
     o = run_study(ladder, tmp_path / "runs2", tmp_path / "res2", workers=0, log=lines.append)
-    copied_id = next(c.id for c in ladder.cells if dict(c.point)["shape"] == {"model.d_model": 64})
     trained_id = next(c.id for c in ladder.cells if c.id != copied_id)
     assert o.ran == [trained_id] and o.skipped == [copied_id]
     assert "1 done (1 reused from res1), 1 to run" in lines[0]

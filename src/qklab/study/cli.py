@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from qklab.config import ConfigError, resolve_named_file
-from qklab.study.runner import Outcome, cell_status, run_study
+from qklab.study.runner import Outcome, cell_status, reusable, reuse_index, run_study
 from qklab.study.spec import Study, load_study
 
 STUDY_DIR = Path(__file__).resolve().parents[3] / "studies"
@@ -48,12 +48,18 @@ def study_command(args: argparse.Namespace) -> int:
     out = Path(args.out or Path("runs") / "studies" / study.name)
     results = Path(args.results) if args.results else out / "results"
     if args.action == "status":
+        index = reuse_index(study.protocol.reuse)
         rows = [(c.id, cell_status(c, results, out)) for c in study.cells]
-        for cid, (status, res) in rows:
+        n_reuse = 0
+        for c, (cid, (status, res)) in zip(study.cells, rows, strict=True):
             detail = (res or {}).get("status", "") if status != "done" else res["status"]
+            src = reusable(c, study, out, index) if status != "done" else None
+            if src is not None:
+                status, detail, n_reuse = "reuse", f"from {src[0]} ({src[1]['status']})", n_reuse + 1
             print(f"{cid:<40} {status:<6} {detail}")
         done = sum(s == "done" for _, (s, _) in rows)
-        print(f"{study.name}: {done}/{len(rows)} cells done; results in {results}")
+        print(f"{study.name}: {done}/{len(rows)} cells done" + (f", {n_reuse} to reuse" if n_reuse else "")
+              + f"; results in {results}")
         return 0
     outcome, _ = run_and_report(study, out, results, _workers(args.workers, default_workers),
                                 report=not args.no_report)

@@ -209,6 +209,15 @@ def reuse_index(folders: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
     return index
 
 
+def reusable(cell: Cell, study: Study, out: Path, index: dict) -> tuple[str, dict[str, Any]] | None:
+    """The (source, result) in ``index`` that ``cell`` may take over, or None (with probes asked for,
+    only a result that has them)."""
+    if not index:
+        return None
+    src = index.get(cell_hash(_cell_cfg(cell, out, 1)))
+    return src if src is not None and (src[1].get("probe") or not study.protocol.probe) else None
+
+
 def run_study(study: Study, out: Path, results: Path | None = None, workers: int = 1,
               log=print) -> Outcome:
     """Run every cell that is not done; ``workers`` processes at a time (0: in this process, serially)."""
@@ -224,8 +233,8 @@ def run_study(study: Study, out: Path, results: Path | None = None, workers: int
     index = reuse_index(study.protocol.reuse)
     for cell in study.cells:
         status, res = cell_status(cell, results, out)
-        src = index.get(cell_hash(_cell_cfg(cell, out, 1))) if status != "done" and index else None
-        if src is not None and (src[1].get("probe") or not study.protocol.probe):
+        src = reusable(cell, study, out, index) if status != "done" else None
+        if src is not None:
             res = {**src[1], **cell_header(cell, study.name, Path(str(src[1].get("log")))), "reused_from": src[0]}
             write_json_atomic(results / cell.id / "result.json", res)
             status, reused = "done", reused + 1
