@@ -59,7 +59,11 @@ def _places(groups, a: tuple, b: tuple) -> tuple[list[tuple[dict, dict]], str]:
     pairs = [(x, y) for x in ga for y in gb if x["study"] == y["study"] and x["point"] == y["point"]]
     if not pairs:
         return [], "the two methods never ran in the same study and grid point"
-    pairs.sort(key=lambda p: -(len(p[0]["sweep"]) + len(p[1]["sweep"])))  # stable: selection order kept
+    width: dict[tuple, int] = {}  # (study, point) -> the most rates any group of either kind ran there
+    for g in ga + gb:
+        k = (g["study"], repr(g["point"]))
+        width[k] = max(width.get(k, 0), len(g["sweep"]))
+    pairs.sort(key=lambda p: -width[(p[0]["study"], repr(p[0]["point"]))])  # stable: selection order kept
     return pairs, ""
 
 
@@ -129,11 +133,13 @@ def _stable_rate(a: tuple, b: tuple) -> Callable[[list[dict]], tuple[str, str, s
                 f"(grid up to x{max(tops):g})")
         if hx is None or hy is None:
             return "inconclusive", meas, "a method diverged at every rate"
-        if hx > hy:
-            return "agree", meas, "stable at a higher rate"
         if hx == hy and hx in tops:
             return "inconclusive", meas, "neither diverged within the grid; extend it upward"
-        return "disagree", meas, "not stable at a higher rate"
+        hi, lo, g_lo = (hx, hy, y) if hx > hy else (hy, hx, x)
+        if max(g_lo["sweep"]) <= lo:  # the less stable one never ran above the rate where it held
+            return "inconclusive", meas, f"{g_lo['variant']} did not run above x{lo:g}"
+        return ("agree", meas, "stable at a higher rate") if hx > hy else (
+            "disagree", meas, "not stable at a higher rate")
     return test
 
 
