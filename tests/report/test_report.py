@@ -15,7 +15,7 @@ from qklab.report.figures import uniform_first_token
 from qklab.study.result import write_json_atomic
 from tests.study.synthetic import probe, result
 
-VARIANTS = {"none": {}, "qknorm": {}, "qkmap": {}, "quack": {}, "mla-none": {}, "mla-quack": {}}
+VARIANTS = {"none": {}, "qknorm": {}, "qkmap": {}, "quack": {}, "mla-none": {}, "mla-quack": {}, "mla-qkclip": {}}
 
 
 def _write(tmp_path):
@@ -37,7 +37,8 @@ def _write(tmp_path):
                  result("quack", 1.0, s, 5.0 + n, 5.06 + n, controller="quack", max_logit=12.0),
                  result("quack", 2.0, s, 4.98 + n, 5.0 + n, controller="quack", max_logit=15.0),
                  result("mla-none", 1.0, s, 5.3 + n, 5.3 + n, attention="mla"),
-                 result("mla-quack", 1.0, s, 5.2 + n, 5.21 + n, attention="mla", controller="quack")]
+                 result("mla-quack", 1.0, s, 5.2 + n, 5.21 + n, attention="mla", controller="quack"),
+                 result("mla-qkclip", 1.0, s, 5.22 + n, 5.25 + n, attention="mla", controller="qkclip")]
         for c in cells:
             write_json_atomic(res / c["cell"] / "result.json", c)
     return res
@@ -53,7 +54,8 @@ def test_report_data_and_claims(tmp_path):
     assert qkmap["step"] == [0, 50, 100] and qkmap["n"] == 3
     assert qkmap["mean"][1] == pytest.approx(5.5) and qkmap["mean"][2] == pytest.approx(4.9 + 0.01 / 3)
     assert qkmap["lo"][2] == pytest.approx(4.89) and qkmap["hi"][2] == pytest.approx(4.92)
-    assert set(fig["val_curves"]) == {"mha", "mla"} and set(fig["val_curves"]["mla"]) == {"mla-none", "mla-quack"}
+    assert set(fig["val_curves"]) == {"mha", "mla"}
+    assert set(fig["val_curves"]["mla"]) == {"mla-none", "mla-quack", "mla-qkclip"}
     # learning-rate sensitivity: both rates, the diverged seed counted and left out of the mean
     sens = fig["lr_sensitivity"]["mha"]["none"]
     assert sens["lr"] == pytest.approx([1e-3, 2e-3]) and sens["diverged"] == [0, 1]
@@ -66,6 +68,7 @@ def test_report_data_and_claims(tmp_path):
     assert claims["lower validation loss than Standard attention"][0] == "**agree**"  # -0.12, tight
     assert claims["less attention on the first token than Standard attention"][0] == "**agree**"
     assert claims["outperforms no intervention in the MLA setting"][0] == "**agree**"
+    assert claims["outperforms QK-clip in the MLA setting"][0] == "**agree**"  # -0.04 on every seed
     assert claims["keeps attention logits smaller than no intervention"][0] == "**agree**"
     v, why = claims["allows a higher base learning rate than no intervention (MHA)"]
     assert v == "**agree**"  # quack x2 stable, none diverged at x2

@@ -218,6 +218,8 @@ CLAIMS: list[Claim] = [
           _less((MLA, "none", "quack"), (MLA, "none", "none"), "report_loss", "report loss")),
     Claim("QuacK", "outperforms QK-Normed MLA in the MLA setting", "report-split loss, paired over seeds",
           _less((MLA, "none", "quack"), (MLA, "qknorm", "none"), "report_loss", "report loss")),
+    Claim("QuacK", "outperforms QK-clip in the MLA setting", "report-split loss, paired over seeds",
+          _less((MLA, "none", "quack"), (MLA, "none", "qkclip"), "report_loss", "report loss")),
     Claim("QuacK", f"competitive with QK-Norm with MHA (not worse by more than {COMPETITIVE_MARGIN} nats)",
           "report-split loss, paired over seeds",
           _less((MHA, "none", "quack"), QKN, "report_loss", "report loss", COMPETITIVE_MARGIN)),
