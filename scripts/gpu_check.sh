@@ -5,7 +5,8 @@
 #   scripts/gpu_check.sh                # logs and JSON under gpu_check_out/, a summary at the end
 #
 # 1. the environment (GPUs, torch, CUDA);
-# 2. the test suite on the CUDA machine (train.device=auto picks the GPU where a test does not pin it);
+# 2. the CUDA-only tests (the whole suite runs last, TESTS_LIMIT_S, default 240 s; train.device=auto
+#    picks the GPU where a test does not pin it);
 # 3. the two off-CPU fixes: QuacK on MLA without a query latent trains on CUDA, and its CUDA checkpoint
 #    resumes on the CPU;
 # 4. compiled bf16 train steps of the GPT-2 small shape (124M parameters: the byte tokenizer with a
@@ -41,7 +42,9 @@ step() {  # step NAME LIMIT_S COMMAND...: run it, keep its log, show its tail
 step env 60 bash -c "nvidia-smi -L; $PY -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count(), torch.cuda.get_device_name(0))'"
 NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 
-step tests 240 "$PY" -m pytest tests -x -q -p no:cacheprovider
+# the tests that only run on CUDA first (FlexAttention max scores, the device's own sync check); the whole
+# suite (9 minutes on the 2-core CPU) runs last, so a timeout there costs no other step
+step tests_cuda 150 "$PY" -m pytest tests/model/test_flex.py tests/train/test_host_sync.py -q -p no:cacheprovider
 
 RUN="train.out_dir='$OUT/runs'"
 step mla_quack_cuda 90 "$PY" -m qklab train --config tiny --set model.attention=mla --set qk.controller=quack \
@@ -80,6 +83,8 @@ PY
 else
   echo "== fewer than 2 GPUs: the NCCL checks are skipped"
 fi
+
+step tests "${TESTS_LIMIT_S:-240}" "$PY" -m pytest tests -x -q -p no:cacheprovider
 
 echo "== summary: ${#FAILED[@]} failed step(s) ${FAILED[*]:-}"
 exit "${#FAILED[@]}"
