@@ -34,8 +34,8 @@ def _write(tmp_path):
                  result("qkmap", 1.0, s, 4.9 + n, 4.93 + n, method="qkmap", first_token=0.10, curve_shift=-0.5,
                         probe=probe(0.3 + n, 1.0 + n)),
                  result("qkmap", 2.0, s, 4.95 + n, 4.9 + n, method="qkmap"),
-                 result("quack", 1.0, s, 5.0 + n, 5.06 + n, controller="quack", max_logit=12.0, cpu_seconds=90.0),
-                 result("quack", 2.0, s, 4.98 + n, 5.0 + n, controller="quack", max_logit=15.0, cpu_seconds=90.0),
+                 result("quack", 1.0, s, 5.0 + n, 5.06 + n, controller="quack", max_logit=12.0),
+                 result("quack", 2.0, s, 4.98 + n, 5.0 + n, controller="quack", max_logit=15.0),
                  result("mla-none", 1.0, s, 5.3 + n, 5.3 + n, attention="mla"),
                  result("mla-quack", 1.0, s, 5.2 + n, 5.21 + n, attention="mla", controller="quack"),
                  result("mla-qkclip", 1.0, s, 5.22 + n, 5.25 + n, attention="mla", controller="qkclip")]
@@ -69,7 +69,7 @@ def test_report_data_and_claims(tmp_path):
     assert claims["less attention on the first token than Standard attention"][0] == "**agree**"
     assert claims["outperforms no intervention in the MLA setting"][0] == "**agree**"
     assert claims["outperforms QK-clip in the MLA setting"][0] == "**agree**"  # -0.04 on every seed
-    assert claims["trains faster than QK-Norm (no norms in the block)"][0] == "**agree**"  # 90 s against 100 s
+    assert claims["trains faster than QK-Norm (no norms in the block)"][0] == "**not measurable**"
     assert claims["keeps attention logits smaller than no intervention"][0] == "**agree**"
     v, why = claims["allows a higher base learning rate than no intervention (MHA)"]
     assert v == "**agree**"  # quack x2 stable, none diverged at x2

@@ -8,7 +8,7 @@ from typing import Any
 def result(variant: str, mult: float, seed: int, val: float, report: float, *, attention: str = "mha",
            method: str = "none", controller: str = "none", diverged: bool = False, failed: bool = False,
            max_logit: float = 10.0, first_token: float = 0.1, study: str = "s", curve_shift: float = 0.0,
-           lr: float = 1e-3, probe: dict | None = None, cpu_seconds: float = 100.0) -> dict[str, Any]:
+           lr: float = 1e-3, probe: dict | None = None) -> dict[str, Any]:
     head = {"schema": 1, "study": study, "cell": f"{variant}_lr{mult:g}_s{seed}", "variant": variant,
             "point": {}, "lr_mult": mult, "seed": seed, "log": f"logs/{variant}.log"}
     if failed:
@@ -25,7 +25,7 @@ def result(variant: str, mult: float, seed: int, val: float, report: float, *, a
                        "max_logit": {"step": steps, "max_logit": [1.0, 5.0, max_logit]},
                        "logit_change": {"step": [50, 100], "logit_change_mean": [0.1, 0.01]},
                        "first_token": {"step": steps, "first_token_mean": [0.1, 0.1, first_token]}},
-            "heads": {}, "tokens_per_s": 1000.0 + seed, "cpu_seconds": cpu_seconds + seed, "probe": probe}
+            "heads": {}, "tokens_per_s": 1000.0 + seed, "probe": probe}
 
 
 def probe(js4: float, contrast: float) -> dict[str, Any]:
