@@ -128,14 +128,14 @@ def _stable_rate(a: tuple, b: tuple) -> Callable[[list[dict]], tuple[str, str, s
 
         (x, hx), (y, hy) = best(xs), best(ys)
         tops = {max(g["sweep"]) for g in xs + ys}
-        rate = lambda h: f"x{h:g}" if h is not None else "none"  # noqa: E731
-        meas = (f"highest rate with no diverged seed: {x['variant']} {rate(hx)}, {y['variant']} {rate(hy)} "
+        rx, ry = (f"x{h:g}" if h is not None else "none" for h in (hx, hy))
+        meas = (f"highest rate with no diverged seed: {x['variant']} {rx}, {y['variant']} {ry} "
                 f"(grid up to x{max(tops):g})")
         if hx is None or hy is None:
             return "inconclusive", meas, "a method diverged at every rate"
         if hx == hy and hx in tops:
             return "inconclusive", meas, "neither diverged within the grid; extend it upward"
-        hi, lo, g_lo = (hx, hy, y) if hx > hy else (hy, hx, x)
+        lo, g_lo = (hy, y) if hx > hy else (hx, x)
         if max(g_lo["sweep"]) <= lo:  # the less stable one never ran above the rate where it held
             return "inconclusive", meas, f"{g_lo['variant']} did not run above x{lo:g}"
         return ("agree", meas, "stable at a higher rate") if hx > hy else (
