@@ -4,8 +4,9 @@ a verdict with its reason.
 Verdicts: **agree** (the 95% interval of the paired difference lies on the claimed side of zero, or of
 the stated margin), **disagree** (it lies on the other side), **inconclusive** (it contains zero, or
 only one seed was run), **not measurable** (the study has no cells, probes or rate grid that could test
-it; the reason says what is missing). Each comparison uses the methods' cells at their own chosen rates
-(selection split), report-split losses, and seeds paired across methods.
+it; the reason says what is missing). Each loss comparison uses the methods' cells at their own chosen
+rates (selection split), report-split losses, and seeds paired across methods; the logit claim compares
+the two at the same rate, since at the tuned rate there is little for a control to do.
 """
 
 from __future__ import annotations
@@ -143,6 +144,39 @@ def _stable_rate(a: tuple, b: tuple) -> Callable[[list[dict]], tuple[str, str, s
     return test
 
 
+def _logits_at_same_rate(a: tuple, b: tuple) -> Callable[[list[dict]], tuple[str, str, str]]:
+    """Claim: a keeps the max attention logit below b's when both train at the same base rate. Read at
+    the highest rate of the grid where both ran and no seed of either diverged (where the control has
+    the most to do and both runs still train), as the paired ratio a / b over seeds (a difference of
+    log10, since logits differ by decades across rates); the ratio at every shared stable rate is listed."""
+    def test(groups):
+        pairs, why = _places(groups, a, b)
+        if not pairs:
+            return "not measurable", "-", why
+        x, y = pairs[0]
+
+        def logs(g, m):
+            return {s: math.log10(v) for s, v in g["sweep"][m].get("max_logit_by_seed", {}).items()
+                    if math.isfinite(v) and v > 0}
+
+        shared = [m for m in sorted(x["sweep"].keys() & y["sweep"].keys())
+                  if x["sweep"][m]["diverged"] == 0 and y["sweep"][m]["diverged"] == 0
+                  and paired_difference(logs(x, m), logs(y, m))["n"] > 0]
+        if not shared:
+            return "not measurable", "-", "no rate at which both ran with no diverged seed and a finite max logit"
+        by_rate = {m: paired_difference(logs(x, m), logs(y, m)) for m in shared}
+        top = shared[-1]
+        d = {**by_rate[top], "a": x["variant"], "b": y["variant"]}
+        verdict, _, reason = _verdict_less(d, "", "max logit")
+        meas = (f"{x['variant']} / {y['variant']} at x{top:g}: {10 ** d['mean']:.3g}"
+                + (f", 95% CI [{10 ** d['ci_lo']:.3g}, {10 ** d['ci_hi']:.3g}]" if d["n"] >= 2 else "")
+                + f", n={d['n']}; by rate: " + ", ".join(f"x{m:g} {10 ** by_rate[m]['mean']:.2g}" for m in shared))
+        reason = reason.replace("below 0", "below a ratio of 1").replace("above 0", "above a ratio of 1").replace(
+            "contains 0", "contains a ratio of 1")
+        return verdict, meas, reason
+    return test
+
+
 def _elsewhere(reason: str) -> Callable[[list[dict]], tuple[str, str, str]]:
     """A claim that study results cannot test; the reason says where it is measured instead."""
     return lambda groups: ("not measurable", "-", reason)
@@ -235,8 +269,9 @@ CLAIMS: list[Claim] = [
           "report-split loss, paired over seeds, QuacK and the multiplier at the same tau where both ran",
           _less((MHA, "none", "quack"), (MHA, "none", "qk_lr_multiplier"), "report_loss", "report loss",
                 match="tau")),
-    Claim("QuacK", "keeps attention logits smaller than no intervention", "max attention logit at the end",
-          _less((MHA, "none", "quack"), STD, "max_logit", "max logit")),
+    Claim("QuacK", "keeps attention logits smaller than no intervention",
+          "max attention logit at the end, paired ratio at the same rate (the highest where neither diverged)",
+          _logits_at_same_rate((MHA, "none", "quack"), STD)),
     Claim("QuacK", "its advantage over no intervention grows with width (the paper's argument)",
           "report-loss gap none - quack at the widest minus the narrowest width, paired over seeds",
           _width_gap((MHA, "none", "quack"), STD)),

@@ -105,6 +105,7 @@ def _group(key: tuple, rs: list[dict]) -> dict[str, Any]:
                                                                          if not c["diverged"]]),
                     "select_all": describe(select[m]),  # diverged cells included: the stability table
                     "max_logit": describe([num(c["final"].get("max_logit")) for c in fin]),
+                    "max_logit_by_seed": {c["seed"]: num(c["final"].get("max_logit")) for c in fin},
                     "spikes": sum(int(c.get("spikes") or 0) for c in fin)}
     chosen = select_rate(select, eligible)
     stable = [m for m, s in sweep.items() if s["diverged"] == 0 and s["n"] > s["failed"]]
