@@ -63,6 +63,9 @@ def test_report_data_and_claims(tmp_path):
     assert fig["first_token"]["mha"]["qkmap"]["mean"] == pytest.approx(0.10)
     assert fig["first_token"]["mha"]["none"]["uniform"] == pytest.approx(uniform_first_token(64))
     assert fig["max_logit"]["mha"]["quack"]["mean"][-1] == pytest.approx(15.0)  # quack chose x2
+    by_rate = fig["logit_by_rate"]["mha"]["quack"]  # the final max logit at every rate, not just the chosen one
+    assert by_rate["lr"] == pytest.approx([1e-3, 2e-3]) and by_rate["mean"] == pytest.approx([12.0, 15.0])
+    assert (out / "logit_by_rate.png").stat().st_size > 0 and "![logit_by_rate]" in (out / "report.md").read_text()
     # claims: planted effects give the expected verdicts
     claims = {r[1]: (r[4], r[5]) for r in data["tables"]["claims"]["rows"]}
     assert claims["lower validation loss than Standard attention"][0] == "**agree**"  # -0.12, tight
@@ -92,7 +95,7 @@ def test_report_data_and_claims(tmp_path):
     # html: self-contained, every figure embedded as a decodable PNG
     page = (out / "report.html").read_text()
     imgs = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
-    assert len(imgs) == 6 and all(base64.b64decode(i)[:8] == b"\x89PNG\r\n\x1a\n" for i in imgs)
+    assert len(imgs) == 7 and all(base64.b64decode(i)[:8] == b"\x89PNG\r\n\x1a\n" for i in imgs)
     assert "http://" not in page and "https://" not in page
     assert "## Claims" in (out / "report.md").read_text()
 

@@ -37,7 +37,8 @@ def _band(curves: list[dict[str, list]], key: str) -> dict[str, list[float]]:
 
 def figure_data(analysis: dict[str, Any]) -> dict[str, Any]:
     """Series per figure, keyed by attention type ('mha', 'mla') then variant label."""
-    data: dict[str, Any] = {"val_curves": {}, "train_curves": {}, "lr_sensitivity": {}, "max_logit": {},
+    data: dict[str, Any] = {"val_curves": {}, "train_curves": {}, "lr_sensitivity": {}, "logit_by_rate": {},
+                            "max_logit": {},
                             "logit_change": {}, "first_token": {}, "probes": {}, "head_max_logit": {},
                             "head_w_norms": {}, "quack_factors": {}}
     for g in analysis["groups"]:
@@ -54,6 +55,11 @@ def figure_data(analysis: dict[str, Any]) -> dict[str, Any]:
             "std": [g["sweep"][m]["select"]["std"] for m in mults],
             "diverged": [g["sweep"][m]["diverged"] for m in mults], "n": [g["sweep"][m]["n"] for m in mults],
             "chosen_lr": g["chosen_lr"]}
+        data["logit_by_rate"].setdefault(att, {})[label] = {  # every finished seed, diverged ones included
+            "lr": [g["sweep"][m]["lr"] for m in mults], "lr_mult": mults,
+            "mean": [g["sweep"][m]["max_logit"]["mean"] for m in mults],
+            "std": [g["sweep"][m]["max_logit"]["std"] for m in mults],
+            "diverged": [g["sweep"][m]["diverged"] for m in mults], "n": [g["sweep"][m]["n"] for m in mults]}
         ft = g["stats"]["first_token"]
         data["first_token"].setdefault(att, {})[label] = {
             "mean": ft["mean"], "std": ft["std"], "n": ft["n"], "uniform": uniform_first_token(g["seq_len"] or 0)}
@@ -161,7 +167,18 @@ def _curves(title: str, ylabel: str, log_y: bool = False, heads: bool = False):
     return panel
 
 
-def _sensitivity(ax, att, series) -> None:
+def _by_rate(title: str, ylabel: str, log_y: bool = False):
+    """A panel of a final value against the learning rate (mean +- std over seeds; x: a seed diverged)."""
+    def panel(ax, att, series) -> None:
+        _rate_lines(ax, series)
+        ax.set_title(f"{title}: {att.upper()} (x: a seed diverged)")
+        ax.set_ylabel(ylabel)
+        if log_y:
+            ax.set_yscale("log")
+    return panel
+
+
+def _rate_lines(ax, series) -> None:
     for label, s in series.items():
         x = np.array(s["lr"], dtype=float)
         y = np.array(s["mean"], dtype=float)
@@ -173,9 +190,7 @@ def _sensitivity(ax, att, series) -> None:
             top = np.nanmax(y) if np.isfinite(y).any() else 1.0
             ax.plot(bad, [top] * len(bad), "x", color=line.get_color(), markersize=10)
     ax.set_xscale("log")
-    ax.set_title(f"learning-rate sensitivity: {att.upper()} (x: a seed diverged)")
     ax.set_xlabel("learning rate")
-    ax.set_ylabel("final selection-split loss")
 
 
 def _first_token(ax, att, series) -> None:
@@ -245,7 +260,10 @@ def draw(data: dict[str, Any], out: Path) -> dict[str, Path]:
     figs = {
         "val_curves": _figure(data["val_curves"], out / "val_curves.png",
                               _curves("selection-split loss", "loss (nats)")),
-        "lr_sensitivity": _figure(data["lr_sensitivity"], out / "lr_sensitivity.png", _sensitivity),
+        "lr_sensitivity": _figure(data["lr_sensitivity"], out / "lr_sensitivity.png",
+                                  _by_rate("learning-rate sensitivity", "final selection-split loss")),
+        "logit_by_rate": _figure(data["logit_by_rate"], out / "logit_by_rate.png",
+                                 _by_rate("final max attention logit", "max logit", log_y=True)),
         "max_logit": _figure(data["max_logit"], out / "max_logit.png", _curves("max attention logit", "max logit",
                                                                                 True)),
         "logit_change": _figure(data["logit_change"], out / "logit_change.png",

@@ -179,6 +179,8 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
     captions = {"val_curves": "Selection-split loss over training at each variant's chosen rate (mean, band: "
                               "min-max over seeds).",
                 "lr_sensitivity": "Final selection-split loss against the learning rate (mean +- std over seeds).",
+                "logit_by_rate": "Final max attention logit on the held-out batch against the learning rate "
+                                 "(mean +- std over every finished seed, diverged ones included).",
                 "max_logit": "Max attention logit on the held-out batch over training.",
                 "logit_change": "Mean absolute logit change per optimizer step between diagnostics.",
                 "first_token": "First-token attention at the last diagnostics step, with the uniform-attention "
