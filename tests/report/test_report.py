@@ -39,6 +39,7 @@ def _write(tmp_path):
                  result("mla-none", 1.0, s, 5.3 + n, 5.3 + n, attention="mla"),
                  result("mla-quack", 1.0, s, 5.2 + n, 5.21 + n, attention="mla", controller="quack"),
                  result("mla-qkclip", 1.0, s, 5.22 + n, 5.25 + n, attention="mla", controller="qkclip")]
+        cells[-1]["git_sha"] = "def" if s == 2 else "abc"  # one cell finished under another version
         for c in cells:
             write_json_atomic(res / c["cell"] / "result.json", c)
     return res
@@ -63,6 +64,7 @@ def test_report_data_and_claims(tmp_path):
     assert fig["first_token"]["mha"]["qkmap"]["mean"] == pytest.approx(0.10)
     assert fig["first_token"]["mha"]["none"]["uniform"] == pytest.approx(uniform_first_token(64))
     assert fig["max_logit"]["mha"]["quack"]["mean"][-1] == pytest.approx(15.0)  # quack chose x2
+    assert "finished each cell, with its number of cells): abc (32), def (1)." in (out / "report.md").read_text()
     by_rate = fig["logit_by_rate"]["mha"]["quack"]  # the final max logit at every rate, not just the chosen one
     assert by_rate["lr"] == pytest.approx([1e-3, 2e-3]) and by_rate["mean"] == pytest.approx([12.0, 15.0])
     assert (out / "logit_by_rate.png").stat().st_size > 0 and "![logit_by_rate]" in (out / "report.md").read_text()

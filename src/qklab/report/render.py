@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import html
 import math
+from collections import Counter
 from pathlib import Path
 
 from qklab.config import ConfigError
@@ -134,8 +135,7 @@ def html_table(t: Table) -> str:
 
 def _header(analysis: dict, dirs: list[str]) -> list[str]:
     studies = analysis["studies"]
-    groups = analysis["groups"]
-    shas = sorted({str(s) for g in groups for s in [g.get("git_sha")] if s})
+    shas = analysis.get("git_shas", {})  # sha -> number of cells that finished under it
     lines = [f"Results: {analysis['n_results']} cells from {', '.join(dirs)}; studies: "
              f"{', '.join(sorted(studies)) or '-'}."]
     for name, s in sorted(studies.items()):
@@ -152,7 +152,9 @@ def _header(analysis: dict, dirs: list[str]) -> list[str]:
               "and a percentile bootstrap over seeds).",
               f"Divergence rule: {DIVERGENCE_RULE}."]
     if shas:
-        lines.append(f"Code (git SHA of the cells): {', '.join(shas)}.")
+        lines.append("Code (git SHA of the process that finished each cell, with its number of cells): "
+                     + ", ".join(f"{sha} ({n})" for sha, n in sorted(shas.items(), key=lambda x: (-x[1], x[0])))
+                     + ".")
     return lines
 
 
@@ -164,8 +166,7 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
     analysis = analyze(results, studies)
     for g in analysis["groups"]:
         g["multi"] = len(studies) > 1
-        g["git_sha"] = next((r.get("git_sha") for r in results if r.get("variant") == g["variant"]
-                             and r.get("study") == g["study"]), None)
+    analysis["git_shas"] = dict(Counter(str(r["git_sha"]) for r in results if r.get("git_sha")))
     out = Path(out) if out else Path(dirs[0]) / "report"
     out.mkdir(parents=True, exist_ok=True)
     groups = analysis["groups"]
