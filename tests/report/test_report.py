@@ -76,9 +76,12 @@ def test_report_data_and_claims(tmp_path):
     assert claims["outperforms QK-clip in the MLA setting"][0] == "**agree**"  # -0.04 on every seed
     assert claims["trains faster than QK-Norm (no norms in the block)"][0] == "**not measurable**"
     measured = {r[1]: r[3] for r in data["tables"]["claims"]["rows"]}
-    assert claims["keeps attention logits smaller than no intervention"][0] == "**agree**"
-    assert measured["keeps attention logits smaller than no intervention"].startswith(
+    assert claims["keeps attention logits smaller than no intervention (MHA)"][0] == "**agree**"
+    assert measured["keeps attention logits smaller than no intervention (MHA)"].startswith(
         "quack / none at x1: 0.3, 95% CI [0.3, 0.3], n=3")  # x1 only: a seed of none diverged at x2
+    assert claims["keeps attention logits smaller than no intervention (MLA)"][0] == "**inconclusive**"
+    assert measured["keeps attention logits smaller than no intervention (MLA)"] == (
+        "mla-quack / mla-none at x1: 1, 95% CI [1, 1], n=3; by rate: x1 1")  # equal logits planted
     v, why = claims["allows a higher base learning rate than no intervention (MHA)"]
     assert v == "**agree**"  # quack x2 stable, none diverged at x2
     v, why = claims["stronger attention contrast on relevant evidence at long context"]
@@ -292,7 +295,7 @@ def test_claims_pair_within_one_study_and_prefer_the_tuning_grid(tmp_path):
     assert r["verdict"] == "not measurable"  # no qknorm here
     r = rows["better than the fixed-multiplier ablation"]
     assert r["verdict"] == "not measurable"
-    r = rows["keeps attention logits smaller than no intervention"]  # from lc (20 vs 80), not w (50 vs 10),
+    r = rows["keeps attention logits smaller than no intervention (MHA)"]  # from lc (20 vs 80), not w (50 vs 10),
     assert r["verdict"] == "agree", r  # not quack-b, at x2: none diverged at x4, so x4 is not compared
     assert r["measured"] == "quack / none at x2: 0.25, 95% CI [0.25, 0.25], n=3; by rate: x1 0.25, x2 0.25", r
     r = rows["stronger attention contrast on relevant evidence at long context"]  # qm's probes

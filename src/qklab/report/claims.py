@@ -225,6 +225,7 @@ def _width_gap(a: tuple, b: tuple) -> Callable[[list[dict]], tuple[str, str, str
 
 
 MHA, MLA = "mha", "mla"
+SAME_RATE_LOGITS = "max attention logit at the end, paired ratio at the same rate (the highest where neither diverged)"
 QKMAP, STD, QKN = (MHA, "qkmap", "none"), (MHA, "none", "none"), (MHA, "qknorm", "none")
 
 CLAIMS: list[Claim] = [
@@ -269,9 +270,10 @@ CLAIMS: list[Claim] = [
           "report-split loss, paired over seeds, QuacK and the multiplier at the same tau where both ran",
           _less((MHA, "none", "quack"), (MHA, "none", "qk_lr_multiplier"), "report_loss", "report loss",
                 match="tau")),
-    Claim("QuacK", "keeps attention logits smaller than no intervention",
-          "max attention logit at the end, paired ratio at the same rate (the highest where neither diverged)",
+    Claim("QuacK", "keeps attention logits smaller than no intervention (MHA)", SAME_RATE_LOGITS,
           _logits_at_same_rate((MHA, "none", "quack"), STD)),
+    Claim("QuacK", "keeps attention logits smaller than no intervention (MLA)", SAME_RATE_LOGITS,
+          _logits_at_same_rate((MLA, "none", "quack"), (MLA, "none", "none"))),
     Claim("QuacK", "its advantage over no intervention grows with width (the paper's argument)",
           "report-loss gap none - quack at the widest minus the narrowest width, paired over seeds",
           _width_gap((MHA, "none", "quack"), STD)),
