@@ -65,6 +65,11 @@ def test_report_data_and_claims(tmp_path):
     assert fig["first_token"]["mha"]["none"]["uniform"] == pytest.approx(uniform_first_token(64))
     assert fig["max_logit"]["mha"]["quack"]["mean"][-1] == pytest.approx(15.0)  # quack chose x2
     assert "finished each cell, with its number of cells): abc (32), def (1)." in (out / "report.md").read_text()
+    grid = data["tables"]["grid"]  # rate x variant: loss over every finished seed / max logit
+    col = grid["head"].index("none")
+    assert [r[0] for r in grid["rows"]] == ["0.001", "0.002"]
+    assert grid["rows"][0][col] == "5.00 ± 0.02 / 40" and grid["rows"][1][col] == "5.20 ± 0.02 / 10 (1/3 diverged)"
+    assert grid["rows"][1][grid["head"].index("mla-none")] == "-"  # not run at x2
     by_rate = fig["logit_by_rate"]["mha"]["quack"]  # the final max logit at every rate, not just the chosen one
     assert by_rate["lr"] == pytest.approx([1e-3, 2e-3]) and by_rate["mean"] == pytest.approx([12.0, 15.0])
     assert (out / "logit_by_rate.png").stat().st_size > 0 and "![logit_by_rate]" in (out / "report.md").read_text()

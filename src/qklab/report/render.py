@@ -11,7 +11,7 @@ from pathlib import Path
 
 from qklab.config import ConfigError
 from qklab.report.claims import claims_table
-from qklab.report.figures import draw, figure_data
+from qklab.report.figures import draw, figure_data, group_label
 from qklab.study.analyze import analyze, load_results
 from qklab.study.result import DIVERGENCE_RULE, write_json_atomic
 from qklab.study.stats import fmt_ci, fmt_mean_std
@@ -83,6 +83,28 @@ def stability_table(groups: list[dict]) -> Table:
                          f"{uni - sel['mean']:.3f}" if sel["n"] else "-",
                          f"{ml['mean']:.1f}" if ml["n"] else "-", str(s.get("spikes", 0)),
                          f"{s['diverged']}/{s['n']}", f"{s['failed']}/{s['n']}"])
+    return head, rows
+
+
+def grid_table(groups: list[dict]) -> Table:
+    """The whole grid at a glance, one row per learning rate and one column per variant: final
+    selection-split loss over every finished seed (mean ± std) / mean final max logit, and how many seeds
+    diverged. One table for every study and grid point of the report (the column says which)."""
+    lrs = sorted({round(s["lr"], 12) for g in groups for s in g["sweep"].values() if math.isfinite(s["lr"])})
+    head = ["lr", *(group_label(g) for g in groups)]
+    rows = []
+    for lr in lrs:
+        row = [f"{lr:.3g}"]
+        for g in groups:
+            s = next((s for s in g["sweep"].values() if round(s["lr"], 12) == lr), None)
+            if s is None or s["n"] == s["failed"]:
+                row.append("-" if s is None else f"failed ({s['failed']}/{s['n']})")
+                continue
+            ml = s["max_logit"]
+            row.append(fmt_mean_std(s.get("select_all", s["select"]), 2)
+                       + (f" / {ml['mean']:.0f}" if ml["n"] else "")
+                       + (f" ({s['diverged']}/{s['n']} diverged)" if s["diverged"] else ""))
+        rows.append(row)
     return head, rows
 
 
@@ -172,7 +194,7 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
     groups = analysis["groups"]
     data = figure_data(analysis)
     figs = draw(data, out)
-    tables = {"results": results_table(groups), "sensitivity": sensitivity_table(groups),
+    tables = {"results": results_table(groups), "grid": grid_table(groups), "sensitivity": sensitivity_table(groups),
               "throughput": throughput_table(groups), "claims": claims_rows(groups),
               "stability": stability_table(groups),
               "failures": failures_table(groups)}
@@ -195,6 +217,7 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
                 "quack_factors": "QuacK's per-head learning-rate factors (W_Q and W_K of every layer) over "
                                  "training, same runs: median and band."}
     sections = [("Claims", "claims"), ("Results (report split)", "results"),
+                ("The grid: selection loss (mean ± std over seeds) / max logit, by learning rate", "grid"),
                 ("Learning-rate sensitivity (selection split)", "sensitivity"),
                 ("Stability by learning rate (selection split, every seed)", "stability"),
                 ("Throughput", "throughput")]
