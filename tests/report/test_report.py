@@ -65,7 +65,7 @@ def test_report_data_and_claims(tmp_path):
     assert fig["first_token"]["mha"]["none"]["uniform"] == pytest.approx(uniform_first_token(64))
     assert fig["max_logit"]["mha"]["quack"]["mean"][-1] == pytest.approx(15.0)  # quack chose x2
     assert "finished each cell, with its number of cells): abc (32), def (1)." in (out / "report.md").read_text()
-    grid = data["tables"]["grid"]  # rate x variant: loss over every finished seed / max logit
+    grid = data["tables"]["grid s"]  # study s, rate x variant: loss over every finished seed / max logit
     col = grid["head"].index("none")
     assert [r[0] for r in grid["rows"]] == ["0.001", "0.002"]
     assert grid["rows"][0][col] == "5.00 ± 0.02 / 40" and grid["rows"][1][col] == "5.20 ± 0.02 / 10 (1/3 diverged)"
@@ -291,6 +291,10 @@ def test_claims_pair_within_one_study_and_prefer_the_tuning_grid(tmp_path):
             c = result(v, 1.0, s, 4.5 + n, 4.5 + n, method=method, study="qm", probe=probe(0.1, contrast + n))
             write_json_atomic(qm / c["cell"] / "result.json", c)
     rows = {r["claim"]: r for r in claims_table(analyze(*load_results([lc, w, qm]))["groups"])}
+    grids = {k: t for k, t in json.loads((write_report([lc, w, qm], out=tmp_path / "rep") / "report.json")
+                                         .read_text())["tables"].items() if k.startswith("grid")}
+    assert list(grids) == ["grid lc", "grid qm", "grid w"] and grids["grid w"]["head"] == ["lr", "none", "quack"]
+    assert [r[0] for r in grids["grid lc"]["rows"]] == ["0.001", "0.002", "0.004", "0.008"]
     r = rows["allows a higher base learning rate than no intervention (MHA)"]  # none diverged at x4
     assert r["verdict"] == "agree" and "quack-b x8, none x2 (grid up to x8)" in r["measured"], r
     r = rows["stable where QK-clip diverges at high rates (MHA)"]  # clip-b has the better loss, clip-a the rate

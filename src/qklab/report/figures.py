@@ -42,7 +42,7 @@ def figure_data(analysis: dict[str, Any]) -> dict[str, Any]:
                             "logit_change": {}, "first_token": {}, "probes": {}, "head_max_logit": {},
                             "head_w_norms": {}, "quack_factors": {}}
     for g in analysis["groups"]:
-        att, label = g["attention"], group_label(g)
+        att, label = g["attention"], _label(g)
         data["val_curves"].setdefault(att, {})[label] = _band([c["val"] for c in g["curves"]], "val_loss")
         data["train_curves"].setdefault(att, {})[label] = _band([c["train"] for c in g["curves"]], "loss")
         data["max_logit"].setdefault(att, {})[label] = _band([c["max_logit"] for c in g["curves"]], "max_logit")
@@ -89,7 +89,7 @@ def _head_band(steps: list[int], values: list, seed: int) -> dict[str, Any]:
             "seed": seed, "heads": int(keep[0][1].size) if keep else 0}
 
 
-def group_label(g: dict[str, Any]) -> str:
+def _label(g: dict[str, Any]) -> str:
     """A group's column or legend name: the variant, its grid point, and its study in a multi-study report."""
     return g["variant"] + (f" [{g['point']}]" if g["point"] else "") + (f" ({g['study']})" if g.get("multi") else "")
 

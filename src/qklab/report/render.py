@@ -11,7 +11,7 @@ from pathlib import Path
 
 from qklab.config import ConfigError
 from qklab.report.claims import claims_table
-from qklab.report.figures import draw, figure_data, group_label
+from qklab.report.figures import draw, figure_data
 from qklab.study.analyze import analyze, load_results
 from qklab.study.result import DIVERGENCE_RULE, write_json_atomic
 from qklab.study.stats import fmt_ci, fmt_mean_std
@@ -89,9 +89,9 @@ def stability_table(groups: list[dict]) -> Table:
 def grid_table(groups: list[dict]) -> Table:
     """The whole grid at a glance, one row per learning rate and one column per variant: final
     selection-split loss over every finished seed (mean ± std) / mean final max logit, and how many seeds
-    diverged. One table for every study and grid point of the report (the column says which)."""
+    diverged. Give it one study's groups: a column per variant and grid point."""
     lrs = sorted({round(s["lr"], 12) for g in groups for s in g["sweep"].values() if math.isfinite(s["lr"])})
-    head = ["lr", *(group_label(g) for g in groups)]
+    head = ["lr", *(g["variant"] + (f" [{g['point']}]" if g["point"] else "") for g in groups)]
     rows = []
     for lr in lrs:
         row = [f"{lr:.3g}"]
@@ -194,7 +194,9 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
     groups = analysis["groups"]
     data = figure_data(analysis)
     figs = draw(data, out)
-    tables = {"results": results_table(groups), "grid": grid_table(groups), "sensitivity": sensitivity_table(groups),
+    names = list(dict.fromkeys(g["study"] for g in groups))  # one grid table per study, in report order
+    grids = {f"grid {n}": grid_table([g for g in groups if g["study"] == n]) for n in names}
+    tables = {"results": results_table(groups), **grids, "sensitivity": sensitivity_table(groups),
               "throughput": throughput_table(groups), "claims": claims_rows(groups),
               "stability": stability_table(groups),
               "failures": failures_table(groups)}
@@ -217,7 +219,8 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
                 "quack_factors": "QuacK's per-head learning-rate factors (W_Q and W_K of every layer) over "
                                  "training, same runs: median and band."}
     sections = [("Claims", "claims"), ("Results (report split)", "results"),
-                ("The grid: selection loss (mean ± std over seeds) / max logit, by learning rate", "grid"),
+                *((f"The grid of {k[5:]}: selection loss (mean ± std over seeds) / max logit, by learning rate", k)
+                  for k in grids),
                 ("Learning-rate sensitivity (selection split)", "sensitivity"),
                 ("Stability by learning rate (selection split, every seed)", "stability"),
                 ("Throughput", "throughput")]
