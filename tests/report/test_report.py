@@ -38,6 +38,9 @@ def _write(tmp_path):
                  result("quack", 2.0, s, 4.98 + n, 5.0 + n, controller="quack", max_logit=15.0),
                  result("mla-none", 1.0, s, 5.3 + n, 5.3 + n, attention="mla"),
                  result("mla-quack", 1.0, s, 5.2 + n, 5.21 + n, attention="mla", controller="quack"),
+                 result("mla-quack", 2.0, s, 5.3 + n, 5.31 + n, attention="mla", controller="quack"),
+                 result("mla-qkclip", 2.0, s, 5.4 + n, 5.4 + n, attention="mla", controller="qkclip",
+                        diverged=s == 0),
                  result("mla-qkclip", 1.0, s, 5.22 + n, 5.25 + n, attention="mla", controller="qkclip")]
         cells[-1]["git_sha"] = "def" if s == 2 else "abc"  # one cell finished under another version
         for c in cells:
@@ -64,7 +67,7 @@ def test_report_data_and_claims(tmp_path):
     assert fig["first_token"]["mha"]["qkmap"]["mean"] == pytest.approx(0.10)
     assert fig["first_token"]["mha"]["none"]["uniform"] == pytest.approx(uniform_first_token(64))
     assert fig["max_logit"]["mha"]["quack"]["mean"][-1] == pytest.approx(15.0)  # quack chose x2
-    assert "finished each cell, with its number of cells): abc (32), def (1)." in (out / "report.md").read_text()
+    assert "finished each cell, with its number of cells): abc (38), def (1)." in (out / "report.md").read_text()
     grid = data["tables"]["grid s"]  # study s, rate x variant: loss over every finished seed / max logit
     col = grid["head"].index("none")
     assert [r[0] for r in grid["rows"]] == ["0.001", "0.002"]
@@ -87,6 +90,9 @@ def test_report_data_and_claims(tmp_path):
     assert claims["keeps attention logits smaller than no intervention (MLA)"][0] == "**inconclusive**"
     assert measured["keeps attention logits smaller than no intervention (MLA)"] == (
         "mla-quack / mla-none at x1: 1, 95% CI [1, 1], n=3; by rate: x1 1")  # equal logits planted
+    v, why = claims["stable where QK-clip diverges at high rates (MLA)"]  # a seed of mla-qkclip diverged at x2
+    assert v == "**agree**" and measured["stable where QK-clip diverges at high rates (MLA)"] == (
+        "highest rate with no diverged seed: mla-quack x2, mla-qkclip x1 (grid up to x2)")
     v, why = claims["allows a higher base learning rate than no intervention (MHA)"]
     assert v == "**agree**"  # quack x2 stable, none diverged at x2
     v, why = claims["stronger attention contrast on relevant evidence at long context"]
