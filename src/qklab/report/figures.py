@@ -89,9 +89,14 @@ def _head_band(steps: list[int], values: list, seed: int) -> dict[str, Any]:
             "seed": seed, "heads": int(keep[0][1].size) if keep else 0}
 
 
+def variant_name(g: dict[str, Any]) -> str:
+    """A group's name within its study: the variant and its grid point (table rows and columns)."""
+    return g["variant"] + (f" [{g['point']}]" if g["point"] else "")
+
+
 def _label(g: dict[str, Any]) -> str:
-    """A group's column or legend name: the variant, its grid point, and its study in a multi-study report."""
-    return g["variant"] + (f" [{g['point']}]" if g["point"] else "") + (f" ({g['study']})" if g.get("multi") else "")
+    """A group's legend name: its variant name, and its study in a multi-study report."""
+    return variant_name(g) + (f" ({g['study']})" if g.get("multi") else "")
 
 
 def _probe_series(probes: list[dict]) -> dict[str, Any]:

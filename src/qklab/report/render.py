@@ -11,7 +11,7 @@ from pathlib import Path
 
 from qklab.config import ConfigError
 from qklab.report.claims import claims_table
-from qklab.report.figures import draw, figure_data
+from qklab.report.figures import draw, figure_data, variant_name
 from qklab.study.analyze import analyze, load_results
 from qklab.study.result import DIVERGENCE_RULE, write_json_atomic
 from qklab.study.stats import fmt_ci, fmt_mean_std
@@ -35,7 +35,7 @@ def results_table(groups: list[dict]) -> Table:
         sel = sw[ch]["select"] if ch is not None else None
         div = sum(s["diverged"] for s in sw.values())
         rows.append([
-            g["variant"] + (f" [{g['point']}]" if g["point"] else ""), g["attention"], g["method"] or "-",
+            variant_name(g), g["attention"], g["method"] or "-",
             g["controller"] or "-", f"{g['chosen_lr']:.3g} (x{ch:g})" if ch is not None else "none eligible",
             str(st["report_loss"]["n"]), fmt_mean_std(sel) if sel else "-", fmt_mean_std(st["report_loss"]),
             fmt_ci(st["report_loss"]["ci_lo"], st["report_loss"]["ci_hi"]),
@@ -91,7 +91,7 @@ def grid_table(groups: list[dict]) -> Table:
     selection-split loss over every finished seed (mean ± std) / mean final max logit, and how many seeds
     diverged. Give it one study's groups: a column per variant and grid point."""
     lrs = sorted({round(s["lr"], 12) for g in groups for s in g["sweep"].values() if math.isfinite(s["lr"])})
-    head = ["lr", *(g["variant"] + (f" [{g['point']}]" if g["point"] else "") for g in groups)]
+    head = ["lr", *map(variant_name, groups)]
     rows = []
     for lr in lrs:
         row = [f"{lr:.3g}"]
