@@ -30,7 +30,18 @@ EXPECT = {  # study -> {claim: (verdict, figure)}, as docs/results/README.md sta
         "keeps attention logits smaller than no intervention (MHA)":
             ("inconclusive", "quack-t1 / none at x30: 0.325, 95% CI [0.0899, 1.18]"),
     },
-    "logit_control_mla_cpu": {},  # filled in when the study is complete
+    "logit_control_mla_cpu": {
+        "allows a higher base learning rate than no intervention (MLA)": ("agree", "mla-quack-t1 x100, mla-none x10"),
+        "stable where QK-clip diverges at high rates (MLA)": ("inconclusive", "mla-qkclip-1.5x x100"),
+        "outperforms no intervention in the MLA setting":
+            ("inconclusive", "mla-quack-t1 - mla-none: +0.045, 95% CI [-0.245, +0.336]"),
+        "outperforms QK-Normed MLA in the MLA setting":
+            ("inconclusive", "mla-quack-t1 - mla-qknorm: +0.000, 95% CI [-0.172, +0.172]"),
+        "outperforms QK-clip in the MLA setting":
+            ("inconclusive", "mla-quack-t1 - mla-qkclip-1.5x: +0.049, 95% CI [-0.202, +0.299]"),
+        "keeps attention logits smaller than no intervention (MLA)":
+            ("agree", "mla-quack-t1 / mla-none at x10: 0.0267, 95% CI [0.0191, 0.0374]"),
+    },
 }
 
 
