@@ -4,6 +4,7 @@ skips finished cells, also from the result files alone; the sweep shorthand give
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 
@@ -110,6 +111,24 @@ reuse = ["res1"]
     raw["protocol"]["reuse"] = ["res9"]
     with pytest.raises(ConfigError, match=r"\[protocol\] reuse: no result folder res9"):
         run_study(parse_study(raw, "ladder"), tmp_path / "runs3", tmp_path / "res3", workers=0, log=lambda s: None)
+
+
+def test_a_second_run_of_a_running_study_is_refused_and_writes_nothing(tmp_path):
+    """The first run holds the study folder's lock; a second run of the same study stops with one line
+    naming the holder, before it writes any result (it used to record the first run's cells in flight as
+    failed), and runs once the lock is gone."""
+    from qklab.train.runfolder import RunLock
+
+    study = _study(tmp_path, {"std": {"qk.method": "none"}})
+    out, res_dir = tmp_path / "runs", tmp_path / "results"
+    out.mkdir()
+    held = RunLock(out)  # another process's run of this study, as the lock sees it
+    with pytest.raises(ConfigError, match=rf"study t is already running in {out} \(pid {os.getpid()}\)"):
+        run_study(study, out, res_dir, workers=0, log=lambda s: None)
+    assert not res_dir.exists()
+    held.release()
+    o = run_study(study, out, res_dir, workers=0, log=lambda s: None)
+    assert o.ran == ["std_lr1_s0"] and o.results["std_lr1_s0"]["status"] == "ok"
 
 
 def test_changed_config_reruns_and_any_exception_is_recorded(tmp_path, monkeypatch):

@@ -221,10 +221,33 @@ def reusable(cell: Cell, study: Study, out: Path, index: dict) -> tuple[str, dic
 def run_study(study: Study, out: Path, results: Path | None = None, workers: int = 1,
               log=print) -> Outcome:
     """Run every cell that is not done; ``workers`` processes at a time (0: in this process, serially)."""
-    from qklab.data import prepare_data
-
     out, results = Path(out), Path(results or Path(out) / "results")
     (out / "logs").mkdir(parents=True, exist_ok=True)
+    lock = _study_lock(study, out)  # before anything is written: a second run of the study changes nothing
+    try:
+        return _run_study(study, out, results, workers, log)
+    finally:
+        lock.release()
+
+
+def _study_lock(study: Study, out: Path):
+    """An exclusive lock on the study's folder for the life of this process (dropped however it ends).
+    Without it a second ``qklab study run`` of the same study would find the first one's cells in flight,
+    fail to lock their run folders and record them as failed."""
+    from qklab.train.runfolder import LOCK, RunLock, RunLockError
+
+    try:
+        return RunLock(out)
+    except RunLockError:
+        pid = (out / LOCK).read_text().strip() or "unknown"
+        raise ConfigError(f"study {study.name} is already running in {out} (pid {pid}); wait for it to finish "
+                          f"or stop it (kill -TERM {pid}: its cells resume from their checkpoints), "
+                          "or give another --out") from None
+
+
+def _run_study(study: Study, out: Path, results: Path, workers: int, log) -> Outcome:
+    from qklab.data import prepare_data
+
     results.mkdir(parents=True, exist_ok=True)
     write_json_atomic(results / "study.json", study.to_dict())
     outcome = Outcome()
