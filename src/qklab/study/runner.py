@@ -234,12 +234,12 @@ def _study_lock(study: Study, out: Path):
     """An exclusive lock on the study's folder for the life of this process (dropped however it ends).
     Without it a second ``qklab study run`` of the same study would find the first one's cells in flight,
     fail to lock their run folders and record them as failed."""
-    from qklab.train.runfolder import LOCK, RunLock, RunLockError
+    from qklab.train.runfolder import RunLock, RunLockError
 
     try:
         return RunLock(out)
-    except RunLockError:
-        pid = (out / LOCK).read_text().strip() or "unknown"
+    except RunLockError as e:
+        pid = e.holder
         raise ConfigError(f"study {study.name} is already running in {out} (pid {pid}); wait for it to finish "
                           f"or stop it (kill -TERM {pid}: its cells resume from their checkpoints), "
                           "or give another --out") from None

@@ -21,7 +21,11 @@ RUN_FILES = {LOCK, "config.json", "metrics.jsonl", "train.log", "ckpt", "probes.
 
 
 class RunLockError(ConfigError):
-    """Another process is writing this run folder."""
+    """Another process is writing this run folder; ``holder`` is its pid as the lock file names it."""
+
+    def __init__(self, msg: str, holder: str = "unknown") -> None:
+        super().__init__(msg)
+        self.holder = holder
 
 
 class RunLock:
@@ -34,7 +38,7 @@ class RunLock:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             raise RunLockError(f"run folder {run_dir} is in use by another qklab process (pid {holder}); "
-                               "wait for it to finish, or choose another train.name") from None
+                               "wait for it to finish, or choose another train.name", holder) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
