@@ -12,6 +12,7 @@ from pathlib import Path
 from qklab.config import ConfigError
 from qklab.report.claims import claims_table
 from qklab.report.figures import draw, figure_data, variant_name
+from qklab.report.probes import probes_tables
 from qklab.study.analyze import analyze, load_results
 from qklab.study.result import DIVERGENCE_RULE, write_json_atomic
 from qklab.study.stats import fmt_ci, fmt_mean_std
@@ -196,7 +197,8 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
     figs = draw(data, out)
     names = list(dict.fromkeys(g["study"] for g in groups))  # one grid table per study, in report order
     grids = {f"grid {n}": grid_table([g for g in groups if g["study"] == n]) for n in names}
-    tables = {"results": results_table(groups), **grids, "sensitivity": sensitivity_table(groups),
+    probes = probes_tables(groups)
+    tables = {"results": results_table(groups), **grids, **probes, "sensitivity": sensitivity_table(groups),
               "throughput": throughput_table(groups), "claims": claims_rows(groups),
               "stability": stability_table(groups),
               "failures": failures_table(groups)}
@@ -221,6 +223,8 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
     sections = [("Claims", "claims"), ("Results (report split)", "results"),
                 *((f"The grid of {k[5:]}: selection loss (mean ± std over seeds) / max logit, by learning rate", k)
                   for k in grids),
+                *((f"Attention probes of {k[7:]} at the chosen rates: mean ± std over seeds (difference to the "
+                   "reference, paired over seeds, 95% CI)", k) for k in probes),
                 ("Learning-rate sensitivity (selection split)", "sensitivity"),
                 ("Stability by learning rate (selection split, every seed)", "stability"),
                 ("Throughput", "throughput")]

@@ -135,4 +135,5 @@ def _group(key: tuple, rs: list[dict]) -> dict[str, Any]:
             "head_series": [(c["seed"], c["head_series"]) for c in chosen_cells if c.get("head_series")],
             "probes": [c["probe"] for c in chosen_cells if c.get("probe")],
             "probe_by_seed": {c["seed"]: c["probe"]["summary"] for c in chosen_cells if c.get("probe")},
+            "probe_full_by_seed": {c["seed"]: c["probe"] for c in chosen_cells if c.get("probe")},
             "unigram_entropy": num(first.get("unigram_entropy"))}
