@@ -103,6 +103,11 @@ def test_report_data_and_claims(tmp_path):
     assert pq["retrieval"]["length"] == [64, 128] and pq["retrieval"]["extrapolation"] == [False, True]
     assert pq["retrieval"]["log_contrast"] == pytest.approx([1.0 + 0.01 / 3, (1.0 + 0.01 / 3) / 2])
     assert pq["magnitude"]["scale"] == [0.25, 1.0, 4.0]
+    # bands: the lowest and the highest seed (noise -0.01 and +0.02 around contrast 1.0 and JS 0.3)
+    assert pq["retrieval"]["log_contrast_lo"] == pytest.approx([0.99, 0.495])
+    assert pq["retrieval"]["log_contrast_hi"] == pytest.approx([1.02, 0.51])
+    assert pq["magnitude"]["js_lo"] == pytest.approx([0.145, 0.0, 0.29])
+    assert pq["magnitude"]["js_hi"] == pytest.approx([0.16, 0.0, 0.32])
     v, why = claims["better than the fixed-multiplier ablation"]
     assert v == "**not measurable**" and "qk_lr_multiplier" in why
     # results table: the paired difference against the reference

@@ -100,8 +100,8 @@ def _label(g: dict[str, Any]) -> str:
 
 
 def _probe_series(probes: list[dict]) -> dict[str, Any]:
-    """Means over seeds: the numeric headline numbers, retrieval against context length, and the
-    attention change (JS divergence) against input scale."""
+    """Means over seeds (and the band from the lowest to the highest seed): the numeric headline numbers,
+    retrieval against context length, and the attention change (JS divergence) against input scale."""
     out: dict[str, Any] = {"n": len(probes)}
     keys = sorted({k for p in probes for k, v in p["summary"].items() if isinstance(v, int | float)})
     for k in keys:
@@ -110,11 +110,21 @@ def _probe_series(probes: list[dict]) -> dict[str, Any]:
     rows = [[r for p in probes for r in p.get("retrieval") or [] if r["length"] == n] for n in lengths]
     out["retrieval"] = {"length": lengths, "extrapolation": [any(r.get("extrapolation") for r in rs) for rs in rows],
                         **{k: [_nanmean([r.get(k) for r in rs]) for rs in rows]
-                           for k in ("log_contrast", "mass", "uniform_mass", "accuracy")}}
+                           for k in ("log_contrast", "mass", "uniform_mass", "accuracy")},
+                        **{f"{k}_{e}": [_nanext([r.get(k) for r in rs], e) for rs in rows]
+                           for k in ("log_contrast", "mass") for e in ("lo", "hi")}}
     scales = next((p["magnitude"]["scales"] for p in probes if (p.get("magnitude") or {}).get("scales")), [])
-    out["magnitude"] = {"scale": scales, "js": [_nanmean([(p.get("magnitude") or {}).get("js_mean", [None] * len(
-        scales))[i] for p in probes]) for i in range(len(scales))]}
+    js = [[(p.get("magnitude") or {}).get("js_mean", [None] * len(scales))[i] for p in probes]
+          for i in range(len(scales))]  # (scale, seed)
+    out["magnitude"] = {"scale": scales, "js": [_nanmean(x) for x in js], "js_lo": [_nanext(x, "lo") for x in js],
+                        "js_hi": [_nanext(x, "hi") for x in js]}
     return out
+
+
+def _nanext(xs: list, end: str) -> float:
+    """The lowest ("lo") or highest ("hi") finite value of xs: the band over seeds."""
+    vals = [v for v in (num(x) for x in xs if x is not None) if math.isfinite(v)]
+    return float((min if end == "lo" else max)(vals)) if vals else float("nan")
 
 
 def _nanmean(xs: list) -> float:
@@ -232,12 +242,17 @@ def _probes(series: dict[str, dict], path: Path) -> Path | None:
             if rt["length"]:
                 (line,) = row[0].plot(rt["length"], rt["log_contrast"], "-", label=f"{label} (n={s['n']})")
                 for ax, key in ((row[0], "log_contrast"), (row[1], "mass")):
+                    if s["n"] > 1:  # band: lowest to highest seed
+                        ax.fill_between(rt["length"], rt[f"{key}_lo"], rt[f"{key}_hi"], color=line.get_color(),
+                                        alpha=0.12, lw=0)
                     for n, y, ext in zip(rt["length"], rt[key], rt["extrapolation"], strict=True):
                         ax.plot([n], [y], "o", color=line.get_color(), mfc="none" if ext else line.get_color())
                 row[1].plot(rt["length"], rt["mass"], "-", color=line.get_color(), label=label)
                 uniform = (rt["length"], rt["uniform_mass"])
             if mg["scale"]:
-                row[2].plot(mg["scale"], mg["js"], "o-", label=label)
+                (line,) = row[2].plot(mg["scale"], mg["js"], "o-", label=label)
+                if s["n"] > 1:
+                    row[2].fill_between(mg["scale"], mg["js_lo"], mg["js_hi"], color=line.get_color(), alpha=0.12, lw=0)
         if uniform is not None:
             row[1].plot(*uniform, "k:", lw=1, label="uniform attention")
         for ax, title, ylab in ((row[0], "retrieval log-contrast (evidence vs control)", "log ratio"),

@@ -212,7 +212,8 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
                 "logit_change": "Mean absolute logit change per optimizer step between diagnostics.",
                 "first_token": "First-token attention at the last diagnostics step, with the uniform-attention "
                                "baseline and the 0.3 sink threshold.",
-                "probes": "Attention probes of the final checkpoints (qklab probe; mean over seeds): retrieval "
+                "probes": "Attention probes of the final checkpoints (qklab probe; mean over seeds, band: lowest to "
+                          "highest seed): retrieval "
                           "evidence contrast and mass against context length, and magnitude sensitivity.",
                 "head_max_logit": "Max logit of each head (all layers) over training, at each variant's chosen "
                                   "rate, lowest seed: median line, band from the lowest to the highest head.",
