@@ -320,3 +320,22 @@ def test_claims_pair_within_one_study_and_prefer_the_tuning_grid(tmp_path):
     assert r["measured"] == "quack / none at x2: 0.25, 95% CI [0.25, 0.25], n=3; by rate: x1 0.25, x2 0.25", r
     r = rows["stronger attention contrast on relevant evidence at long context"]  # qm's probes
     assert r["verdict"] == "agree" and r["measured"].startswith("none - qkmap: -0.500"), r
+
+
+def test_header_counts_finished_cells_from_the_study_file(tmp_path):
+    """Each study's line says how many of its cells (study.json's list) have results, and counts apart
+    the results of cells that left the study (a grid moved mid-study)."""
+    res = tmp_path / "res"
+    write_json_atomic(res / "study.json", {"name": "g", "config": "tiny", "seeds": [0], "variants": {"none": {}},
+                                           "protocol": {"reference": "none", "lr_mults": [1.0, 2.0, 4.0]},
+                                           "cells": ["none_lr1_s0", "none_lr2_s0", "none_lr4_s0"]})
+    for m in (0.5, 1.0, 2.0):  # x0.5 is no longer in the study, x4 has not run
+        c = result("none", m, 0, 4.0 + m, 4.0 + m, study="g")
+        write_json_atomic(res / c["cell"] / "result.json", c)
+    md = (write_report([res], out=tmp_path / "rep") / "report.md").read_text()
+    assert ("- `g`: in progress: 2 of 3 cells finished (and 1 result of cells no longer in the study); "
+            "base config `tiny`") in md
+    c = result("none", 4.0, 0, 8.0, 8.0, study="g")
+    write_json_atomic(res / c["cell"] / "result.json", c)
+    md = (write_report([res], out=tmp_path / "rep") / "report.md").read_text()
+    assert "- `g`: complete: 3 of 3 cells finished (and 1 result" in md

@@ -156,17 +156,31 @@ def html_table(t: Table) -> str:
             + "</tbody></table>")
 
 
-def _header(analysis: dict, dirs: list[str]) -> list[str]:
+def _progress(name: str, study: dict, results: list[dict]) -> str:
+    """'12 of 55 cells finished' from the study's cell list (study.json), with results of cells that are
+    no longer in it (a grid changed mid-study) counted apart; '' for a study.json without a cell list."""
+    ids = set(study.get("cells") or [])
+    if not ids:
+        return ""
+    have = {r["cell"] for r in results if r.get("study") == name}
+    extra = len(have - ids)
+    state = "complete" if ids <= have else "in progress"
+    return (f" {state}: {len(ids & have)} of {len(ids)} cells finished"
+            + (f" (and {extra} result{'s' * (extra > 1)} of cells no longer in the study)" if extra else "") + ";")
+
+
+def _header(analysis: dict, dirs: list[str], results: list[dict]) -> list[str]:
     studies = analysis["studies"]
     shas = analysis.get("git_shas", {})  # sha -> number of cells that finished under it
     lines = [f"Results: {analysis['n_results']} cells from {', '.join(dirs)}; studies: "
              f"{', '.join(sorted(studies)) or '-'}."]
     for name, s in sorted(studies.items()):
         p = s.get("protocol", {})
-        lines.append(f"- `{name}`: base config `{s.get('config')}`, seeds {s.get('seeds')}, rate multiples "
-                     f"{p.get('lr_mults')}" + (f" (per variant: {p.get('lr_mults_for')})" if p.get("lr_mults_for")
-                                               else "") + f", reference {p.get('reference')}, batch order seed "
-                     f"{p.get('data_seed')} (every cell sees the same tokens in the same order).")
+        per_variant = f" (per variant: {p.get('lr_mults_for')})" if p.get("lr_mults_for") else ""
+        lines.append(f"- `{name}`:{_progress(name, s, results)} base config `{s.get('config')}`, seeds "
+                     f"{s.get('seeds')}, rate multiples {p.get('lr_mults')}{per_variant}, reference "
+                     f"{p.get('reference')}, batch order seed {p.get('data_seed')} (every cell sees the same "
+                     "tokens in the same order).")
     lines += ["",
               "Protocol: each variant's learning rate is chosen on the *selection* half of the held-out text "
               "(lowest mean final loss over seeds among rates where no seed diverged); every reported loss comes "
@@ -202,7 +216,7 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
               "throughput": throughput_table(groups), "claims": claims_rows(groups),
               "stability": stability_table(groups),
               "failures": failures_table(groups)}
-    header = _header(analysis, [str(d) for d in dirs])
+    header = _header(analysis, [str(d) for d in dirs], results)
     captions = {"val_curves": "Selection-split loss over training at each variant's chosen rate (mean, band: "
                               "min-max over seeds).",
                 "lr_sensitivity": "Final selection-split loss against the learning rate (mean +- std over seeds).",
