@@ -131,6 +131,27 @@ def test_a_second_run_of_a_running_study_is_refused_and_writes_nothing(tmp_path)
     assert o.ran == ["std_lr1_s0"] and o.results["std_lr1_s0"]["status"] == "ok"
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_cell_trained_by_another_process_is_busy_not_failed(tmp_path, workers):
+    """A cell whose run folder another process holds (a hand-started `qklab train` there) is not run and
+    gets no result, failed or other; the study goes on with the rest and a later run trains it."""
+    from qklab.train.runfolder import RunLock
+
+    study = _study(tmp_path, {"a": {"qk.method": "none"}, "b": {"qk.method": "qknorm"}})
+    out, res_dir = tmp_path / "runs", tmp_path / "results"
+    (out / "cells" / "a_lr1_s0").mkdir(parents=True)
+    held = RunLock(out / "cells" / "a_lr1_s0")
+    lines: list[str] = []
+    o = run_study(study, out, res_dir, workers=workers, log=lines.append)
+    assert o.busy == ["a_lr1_s0"] and list(o.results) == ["b_lr1_s0"] and o.results["b_lr1_s0"]["status"] == "ok"
+    assert not (res_dir / "a_lr1_s0").exists()
+    assert any("a_lr1_s0: not run: another process is training it" in ln for ln in lines)
+    assert lines[-1].endswith("(2 run now, 0 skipped, 1 busy in another process)")
+    held.release()
+    o = run_study(study, out, res_dir, workers=workers, log=lines.append)
+    assert o.ran == ["a_lr1_s0"] and o.results["a_lr1_s0"]["status"] == "ok" and o.skipped == ["b_lr1_s0"]
+
+
 def test_changed_config_reruns_and_any_exception_is_recorded(tmp_path, monkeypatch):
     from qklab.train import trainer as trainer_mod
 

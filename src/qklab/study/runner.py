@@ -37,6 +37,7 @@ from qklab.study.spec import Cell, Study, cell_hash, legacy_cell_hash
 DONE = ("ok", "diverged")
 STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # a worker's exit codes after RunInterrupted
 STOP_GRACE_S = 120  # seconds a stopped worker gets to reach its next step and checkpoint
+BUSY = 75  # a worker's exit code when another process holds the cell's run folder (EX_TEMPFAIL)
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Outcome:
     ran: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     stopped: list[str] = field(default_factory=list)  # stopped by a signal after a checkpoint: resumable
+    busy: list[str] = field(default_factory=list)  # another process held the run folder: not run, not failed
     not_started: list[str] = field(default_factory=list)  # queued when a cell was stopped
 
     def counts(self) -> Counter:
@@ -63,6 +65,7 @@ def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, pro
     from qklab.diagnostics.stability import NonFiniteError
     from qklab.train.checkpoint import latest_checkpoint
     from qklab.train.metrics import read_metrics
+    from qklab.train.runfolder import RunLockError
     from qklab.train.signals import RunInterrupted
     from qklab.train.trainer import Trainer
 
@@ -99,8 +102,8 @@ def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, pro
                            time.time() - t0, stopped)
         if probe and not res["diverged"]:
             res["probe"] = _probe(run_dir, probe)
-    except RunInterrupted:  # stopped by a signal after a checkpoint: not done, not failed; a re-run resumes
-        raise
+    except (RunInterrupted, RunLockError):  # stopped by a signal after a checkpoint, or another process
+        raise  # (a hand-started `qklab train`) is training this cell: not done, not failed; a re-run resumes
     except Exception as e:  # any failure of the cell is recorded and the study goes on
         traceback.print_exc()
         res = failed_result(header, f"{type(e).__name__}: {e}".splitlines()[0], chash, time.time() - t0)
@@ -138,6 +141,7 @@ def _worker(cell: Cell, study: str, out: Path, results: Path, threads: int, prob
     os.dup2(fd, 2)
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
+    from qklab.train.runfolder import RunLockError
     from qklab.train.signals import RunInterrupted
 
     try:
@@ -145,6 +149,17 @@ def _worker(cell: Cell, study: str, out: Path, results: Path, threads: int, prob
     except RunInterrupted as e:
         print(f"stopped: {e}")
         sys.exit(e.exit_code)
+    except RunLockError as e:
+        print(f"not run: {e}")
+        sys.exit(BUSY)
+
+
+def _busy(cell: Cell, outcome: Outcome, log) -> None:
+    """Another process holds the cell's run folder: no result is written, and the next run retries it."""
+    outcome.ran.append(cell.id)
+    outcome.busy.append(cell.id)
+    log(f"  {cell.id}: not run: another process is training it in its run folder (see its log); "
+        "run the same command again once that process has finished")
 
 
 def _context():
@@ -299,8 +314,14 @@ def _run_study(study: Study, out: Path, results: Path, workers: int, log) -> Out
                disable=not sys.stderr.isatty() and not os.environ.get("QKLAB_PROGRESS"))
     try:
         if workers <= 0:
+            from qklab.train.runfolder import RunLockError
+
             for cell in runnable:
-                res = run_cell(cell, study.name, out, results, threads, study.protocol.probe)
+                try:
+                    res = run_cell(cell, study.name, out, results, threads, study.protocol.probe)
+                except RunLockError:
+                    _busy(cell, outcome, log)
+                    continue
                 bar.update(steps[cell.id])
                 _finish(cell, res, outcome, bar, steps, log)
         else:
@@ -309,7 +330,8 @@ def _run_study(study: Study, out: Path, results: Path, workers: int, log) -> Out
         bar.close()
     c = outcome.counts()
     log(f"study {study.name}: {c['ok']} ok, {c['diverged']} diverged, {c['failed']} failed "
-        f"({len(outcome.ran)} run now, {len(outcome.skipped)} skipped)")
+        f"({len(outcome.ran)} run now, {len(outcome.skipped)} skipped"
+        + (f", {len(outcome.busy)} busy in another process" if outcome.busy else "") + ")")
     return outcome
 
 
@@ -369,6 +391,9 @@ def _pool(cells: list[Cell], study: Study, out: Path, results: Path, workers: in
                         log(f"  {len(queue)} queued cell(s) not started; run the same command to continue")
                         outcome.not_started += [c.id for c in queue]
                         queue.clear()
+                    continue
+                if res is None and p.exitcode == BUSY:
+                    _busy(cell, outcome, log)
                     continue
                 if res is None or (p.exitcode != 0 and res.get("status") not in DONE + ("failed",)):
                     res = failed_result(cell_header(cell, study.name, out / "logs" / f"{cid}.log"),
