@@ -206,6 +206,8 @@ def test_stability_table_lists_every_rate_with_all_seeds(tmp_path):
     assert row["selection loss (all seeds)"] == f"{mean:.3f} ± {std:.3f}"
     assert row["below unigram"] == f"{6.0 - mean:.3f}" and row["max logit (end)"] == "10.0"
     assert sum(r[0] == "qknorm" for r in rows) == 2  # one row per rate
+    # still falling: the last evaluation interval's fall (6.0 -> 5.2 + noise), the diverged seed left out
+    assert row["still falling"] == f"{((6.0 - 5.2) + (6.0 - 5.22)) / 2:.3f} (50-100)"
 
 
 @pytest.mark.parametrize("growth, verdict", [(0.05, "agree"), (-0.05, "disagree"), (0.0, "inconclusive")])

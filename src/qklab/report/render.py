@@ -69,11 +69,19 @@ def sensitivity_table(groups: list[dict]) -> Table:
     return head, rows
 
 
+def _late(s: dict) -> str:
+    """'0.102 (1750-2000)': the mean fall of the selection loss over the last evaluation interval, over
+    the seeds that did not diverge; a run that still falls fast at the end has not converged."""
+    d, st = s.get("late_drop") or {"n": 0}, s.get("late_steps")
+    return f"{d['mean']:.3f} ({st[0]}-{st[1]})" if d["n"] and st else "-"
+
+
 def stability_table(groups: list[dict]) -> Table:
     """Every variant at every rate: selection loss (all finished seeds) and its margin below the unigram
-    entropy (0 or less: a plateau at token frequencies, counted as diverged), final max logit, loss spikes."""
-    head = ["variant", "attn", "lr", "n", "selection loss (all seeds)", "below unigram", "max logit (end)",
-            "loss spikes", "diverged", "failed"]
+    entropy (0 or less: a plateau at token frequencies, counted as diverged), how far it still fell over
+    the last evaluation interval, final max logit, loss spikes."""
+    head = ["variant", "attn", "lr", "n", "selection loss (all seeds)", "below unigram", "still falling",
+            "max logit (end)", "loss spikes", "diverged", "failed"]
     rows = []
     for g in groups:
         uni = g.get("unigram_entropy", float("nan"))
@@ -81,7 +89,7 @@ def stability_table(groups: list[dict]) -> Table:
             sel = s.get("select_all", s["select"])
             ml = s.get("max_logit") or {"mean": float("nan"), "n": 0}
             rows.append([g["variant"], g["attention"], f"{s['lr']:.3g} (x{m:g})", str(s["n"]), fmt_mean_std(sel),
-                         f"{uni - sel['mean']:.3f}" if sel["n"] else "-",
+                         f"{uni - sel['mean']:.3f}" if sel["n"] else "-", _late(s),
                          f"{ml['mean']:.1f}" if ml["n"] else "-", str(s.get("spikes", 0)),
                          f"{s['diverged']}/{s['n']}", f"{s['failed']}/{s['n']}"])
     return head, rows

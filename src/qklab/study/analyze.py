@@ -39,6 +39,23 @@ def load_results(dirs: list[str | Path]) -> tuple[list[dict], dict[str, dict]]:
     return results, studies
 
 
+def _late_drop(cell: dict) -> float:
+    """How far the selection loss still fell over the last evaluation interval (the one before the last
+    value minus the last; > 0: still falling at the end), NaN with fewer than two evaluations."""
+    v = (cell.get("curves") or {}).get("val") or {}
+    ys = v.get("val_loss") or []
+    return num(ys[-2]) - num(ys[-1]) if len(ys) >= 2 else float("nan")
+
+
+def _late_steps(cells: list[dict]) -> list[int] | None:
+    """[first, last] step of the last evaluation interval (of the first cell with two evaluations)."""
+    for c in cells:
+        st = ((c.get("curves") or {}).get("val") or {}).get("step") or []
+        if len(st) >= 2:
+            return [int(st[-2]), int(st[-1])]
+    return None
+
+
 def select_rate(select: Mapping[float, list[float]], eligible: Mapping[float, bool]) -> float | None:
     """The eligible rate multiple with the lowest mean selection loss (ties: the lower rate)."""
     best = None
@@ -106,7 +123,9 @@ def _group(key: tuple, rs: list[dict]) -> dict[str, Any]:
                     "select_all": describe(select[m]),  # diverged cells included: the stability table
                     "max_logit": describe([num(c["final"].get("max_logit")) for c in fin]),
                     "max_logit_by_seed": {c["seed"]: num(c["final"].get("max_logit")) for c in fin},
-                    "spikes": sum(int(c.get("spikes") or 0) for c in fin)}
+                    "spikes": sum(int(c.get("spikes") or 0) for c in fin),
+                    "late_drop": describe([_late_drop(c) for c in fin if not c["diverged"]]),
+                    "late_steps": _late_steps(fin)}
     chosen = select_rate(select, eligible)
     stable = [m for m, s in sweep.items() if s["diverged"] == 0 and s["n"] > s["failed"]]
     at: dict[str, dict[int, float]] = {k: {} for k in ("report_loss", "val_loss", "train_loss", "max_logit",
