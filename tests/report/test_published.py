@@ -2,7 +2,8 @@
 analysed by the current code, gives the claims table its committed report shows and the verdicts
 docs/results/README.md states. A change to the analysis or the claims that moves a published verdict
 fails here, and the report must be rebuilt (`qklab report docs/results/<study> --out
-docs/results/<study>/report`) and the text revised with it."""
+docs/results/<study>/report`) and the text revised with it. Every committed report, complete or not,
+must also hold the claims and results tables that its committed result files give."""
 
 from __future__ import annotations
 
@@ -89,6 +90,25 @@ def test_published_chosen_rates_are_interior(study, groups):
 def test_committed_report_matches_the_code(study, rows):
     committed = json.loads((RESULTS / study / "report" / "report.json").read_text())["tables"]["claims"]
     assert [committed["head"], committed["rows"]] == [rows[0], rows[1]]
+
+
+COMMITTED = sorted(d.name for d in RESULTS.iterdir() if (d / "report" / "report.json").exists())
+
+
+@pytest.mark.parametrize("folder", COMMITTED)
+def test_every_committed_report_matches_its_results(folder):
+    """Any committed report, complete or in progress (the demo's too): its claims and results tables are
+    what the current code makes of the result files committed beside it. Fails when a cell was committed
+    without rebuilding the report, or when a change to the analysis moves a published number."""
+    from qklab.report.render import results_table
+
+    results, studies = load_results([RESULTS / folder])
+    groups = analyze(results, studies)["groups"]
+    for g in groups:
+        g["multi"] = len(studies) > 1
+    tables = json.loads((RESULTS / folder / "report" / "report.json").read_text())["tables"]
+    for name, (head, body) in (("claims", claims_rows(groups)), ("results", results_table(groups))):
+        assert [tables[name]["head"], tables[name]["rows"]] == [head, body], f"{folder}: {name} table"
 
 
 def test_published_verdicts(study, rows):
