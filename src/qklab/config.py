@@ -46,6 +46,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    qk_init_std: float = 0.0  # std of W_Q/W_K for every QK method (a fair comparison); 0: the method's own rule
     attn_impl: str = "auto"  # auto | sdpa | eager
     attention: str = "mha"  # mha (MHA/GQA, see n_kv_heads) | mla (multi-head latent attention, docs/mla.md)
     q_rank: int = 0  # MLA query latent width; 0: no query latent (queries straight from x)
@@ -243,6 +244,7 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("model.rope_theta", _above(0), "> 0, e.g. 10000"),
     ("model.norm_eps", _above(0), "> 0, e.g. 1e-6"),
     ("model.init_std", _above(0), "> 0, e.g. 0.02"),
+    ("model.qk_init_std", _at_least(0), ">= 0 (0: the QK method's own init rule), e.g. 1/sqrt(d_model)"),
     *((f"model.{k}", _at_least(0), ">= 0 (0: the default)")
       for k in ("q_rank", "kv_rank", "nope_dim", "rope_dim", "v_dim")),
     ("train.seed", _between(0, 2**32 - 1), "from 0 to 2**32 - 1"),

@@ -59,7 +59,8 @@ class GPT(nn.Module):
         """Every weight initialisation of the model, in one place.
 
         * token embedding (and the tied head): N(0, init_std)
-        * Q, K projections: N(0, qk.qk_init_std(init_std)) -- init_std unless the QK method asks otherwise
+        * Q, K projections: N(0, qk_init_std) when the config sets it (one rule for every QK method, for
+          fair comparisons), else N(0, qk.qk_init_std(init_std)): init_std unless the method asks otherwise
         * V projection, MLP gate/up, untied head: N(0, init_std)
         * output projections (attention wo, MLP w2): N(0, init_std / sqrt(2 * n_layers)), so that the
           residual stream's variance does not grow with depth (GPT-2)
@@ -82,8 +83,9 @@ class GPT(nn.Module):
                         norm.reset_parameters()
             else:
                 qk_ws, v_ws = (a.wq, a.wk), [a.wv]
-            for w in qk_ws:  # a QK method may ask for its own scale
-                nn.init.normal_(w.weight, 0.0, a.qk.qk_init_std(std))
+            qk_std = self.cfg.qk_init_std or a.qk.qk_init_std(std)  # a QK method may ask for its own scale
+            for w in qk_ws:
+                nn.init.normal_(w.weight, 0.0, qk_std)
             for w in (*v_ws, m.w1, m.w3):
                 nn.init.normal_(w.weight, 0.0, std)
             for w in (a.wo.weight, m.w2.weight):
