@@ -152,6 +152,20 @@ def test_a_cell_trained_by_another_process_is_busy_not_failed(tmp_path, workers)
     assert o.ran == ["a_lr1_s0"] and o.results["a_lr1_s0"]["status"] == "ok" and o.skipped == ["b_lr1_s0"]
 
 
+def test_a_probed_cell_whose_config_changed_runs_again(tmp_path):
+    """A cell's run folder holds the study's probes of it (probe/); when the study file changes the cell's
+    config, the next run replaces that folder and trains it again (it used to fail: 'holds files that are
+    not from a qklab run (probe)')."""
+    out, res_dir = tmp_path / "runs", tmp_path / "results"
+    first = run_study(_study(tmp_path, {"std": {"qk.method": "none"}}, probe=1), out, res_dir, workers=0,
+                      log=lambda s: None)
+    assert first.results["std_lr1_s0"]["probe"] and (out / "cells" / "std_lr1_s0" / "probe" / "probes.json").exists()
+    changed = _study(tmp_path, {"std": {"qk.method": "none", "model.qk_init_std": 0.05}}, probe=1)
+    o = run_study(changed, out, res_dir, workers=0, log=lambda s: None)
+    assert o.ran == ["std_lr1_s0"] and o.results["std_lr1_s0"]["status"] == "ok"
+    assert o.results["std_lr1_s0"]["cell_hash"] != first.results["std_lr1_s0"]["cell_hash"]
+
+
 def test_changed_config_reruns_and_any_exception_is_recorded(tmp_path, monkeypatch):
     from qklab.train import trainer as trainer_mod
 

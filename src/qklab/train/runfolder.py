@@ -17,7 +17,7 @@ from qklab.config import ConfigError
 LOCK = ".lock"
 # what a run folder may hold; --overwrite refuses to delete a folder holding anything else
 RUN_FILES = {LOCK, "config.json", "metrics.jsonl", "train.log", "ckpt", "probes.json", "probes", "tb", "wandb",
-             "cell.json", "export"}
+             "cell.json", "probe", "export"}  # probe: a study cell's probes of its final checkpoint
 
 
 class RunLockError(ConfigError):
