@@ -187,10 +187,10 @@ def _probe_claim(key: str, a: tuple, b: tuple, higher: bool) -> Callable[[list[d
         pairs, why = _places(groups, a, b)
         if not pairs:
             return "not measurable", "-", why
-        probed = [(x, y) for x, y in pairs if x["probes"] and y["probes"]]  # the study that ran the probes
+        probed = [(x, y) for x, y in pairs if x["probe_by_seed"] and y["probe_by_seed"]]  # the study that probed
         x, y = (probed or pairs)[0]
-        sa = {s: float(p[key]) for s, p in x["probe_by_seed"].items() if p.get(key) is not None}
-        sb = {s: float(p[key]) for s, p in y["probe_by_seed"].items() if p.get(key) is not None}
+        sa, sb = ({s: float(p["summary"][key]) for s, p in g["probe_by_seed"].items()
+                   if p["summary"].get(key) is not None} for g in (x, y))
         if not sa or not sb:
             return "not measurable", "-", ("no attention probes in these results (set [protocol] probe = 1 or more)"
                                            if not probed else f"the probes have no '{key}'")

@@ -63,8 +63,8 @@ def figure_data(analysis: dict[str, Any]) -> dict[str, Any]:
         ft = g["stats"]["first_token"]
         data["first_token"].setdefault(att, {})[label] = {
             "mean": ft["mean"], "std": ft["std"], "n": ft["n"], "uniform": uniform_first_token(g["seq_len"] or 0)}
-        if g["probes"]:
-            data["probes"].setdefault(att, {})[label] = _probe_series(g["probes"])
+        if g["probe_by_seed"]:
+            data["probes"].setdefault(att, {})[label] = _probe_series(list(g["probe_by_seed"].values()))
         if g.get("head_series"):  # the lowest seed's run at the chosen rate: its heads' spread over time
             seed, hs = min(g["head_series"], key=lambda x: x[0])
             d = hs["diag"]

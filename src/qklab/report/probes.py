@@ -15,9 +15,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
-from qklab.report.figures import variant_name
+from qklab.report.figures import _nanmean, variant_name
 from qklab.study.stats import describe, fmt_ci, fmt_mean_std, paired_difference
 
 Table = tuple[list[str], list[list[str]]]
@@ -36,21 +34,16 @@ def _js(scale: float) -> Getter:
     return get
 
 
-def _mean(xs: list) -> float:
-    v = [float(x) for x in xs if x is not None and math.isfinite(float(x))]
-    return float(np.mean(v)) if v else float("nan")
-
-
 def _measures(probes: list[dict[str, Any]]) -> list[tuple[str, Getter]]:
     """(row label, getter) for everything the probes of one study measured, in a fixed order."""
     summ = [p["summary"] for p in probes]
     rows: list[tuple[str, Getter]] = []
     if any(s.get("first_token") is not None for s in summ):
-        base = _mean([s.get("first_token_baseline") for s in summ])
+        base = _nanmean([s.get("first_token_baseline") for s in summ])
         rows.append(("first-token attention" + (f" (uniform: {base:.3f})" if math.isfinite(base) else ""),
                      lambda p: p["summary"].get("first_token")))
     if any(s.get("sink_first_token") is not None for s in summ):
-        base = _mean([s.get("sink_first_token_baseline") for s in summ])
+        base = _nanmean([s.get("sink_first_token_baseline") for s in summ])
         rows.append(("first-token attention on 64-token inputs" + (f" (uniform: {base:.3f})" if math.isfinite(base)
                                                                    else ""),
                      lambda p: p["summary"].get("sink_first_token")))
@@ -63,7 +56,7 @@ def _measures(probes: list[dict[str, Any]]) -> list[tuple[str, Getter]]:
             lengths[int(r["length"])] = lengths.get(int(r["length"]), False) or bool(r.get("extrapolation"))
     for n, beyond in sorted(lengths.items()):
         tag = f"{n} tokens" + (", beyond the training length" if beyond else "")
-        uni = _mean([_retrieval(n, "uniform_mass")(p) for p in probes])
+        uni = _nanmean([_retrieval(n, "uniform_mass")(p) for p in probes])
         rows.append((f"evidence log-contrast at {tag}", _retrieval(n, "log_contrast")))
         rows.append((f"evidence mass at {tag}" + (f" (uniform: {uni:.4f})" if math.isfinite(uni) else ""),
                      _retrieval(n, "mass")))
@@ -74,7 +67,7 @@ def _measures(probes: list[dict[str, Any]]) -> list[tuple[str, Getter]]:
 
 def _by_seed(g: dict[str, Any], get: Getter) -> dict[int, float]:
     out = {}
-    for s, p in g.get("probe_full_by_seed", {}).items():
+    for s, p in g["probe_by_seed"].items():
         v = get(p)
         if v is not None and math.isfinite(float(v)):
             out[int(s)] = float(v)
@@ -97,10 +90,10 @@ def probes_tables(groups: list[dict[str, Any]]) -> dict[str, Table]:
     """One table per (study, attention type) whose chosen-rate cells carry probes: rows are measures,
     columns variants; a non-reference cell reads 'mean ± std (difference to the reference [95% CI])'."""
     tables: dict[str, Table] = {}
-    keys = dict.fromkeys((g["study"], g["attention"]) for g in groups if g.get("probe_full_by_seed"))
+    keys = dict.fromkeys((g["study"], g["attention"]) for g in groups if g["probe_by_seed"])
     for study, att in keys:
-        gs = [g for g in groups if g["study"] == study and g["attention"] == att and g.get("probe_full_by_seed")]
-        probes = [p for g in gs for p in g["probe_full_by_seed"].values()]
+        gs = [g for g in groups if g["study"] == study and g["attention"] == att and g["probe_by_seed"]]
+        probes = [p for g in gs for p in g["probe_by_seed"].values()]
         refs = {(g["point"], g["variant"]): g for g in gs}
         head = ["measure", *(variant_name(g) + ("" if g["variant"] == g.get("reference") else
                                                  f" (vs {g.get('reference')})" if (g["point"], g.get("reference"))

@@ -152,7 +152,5 @@ def _group(key: tuple, rs: list[dict]) -> dict[str, Any]:
             "stats": {k: describe(list(v.values())) for k, v in at.items()},
             "curves": [c["curves"] for c in chosen_cells], "heads": [c.get("heads", {}) for c in chosen_cells],
             "head_series": [(c["seed"], c["head_series"]) for c in chosen_cells if c.get("head_series")],
-            "probes": [c["probe"] for c in chosen_cells if c.get("probe")],
-            "probe_by_seed": {c["seed"]: c["probe"]["summary"] for c in chosen_cells if c.get("probe")},
-            "probe_full_by_seed": {c["seed"]: c["probe"] for c in chosen_cells if c.get("probe")},
+            "probe_by_seed": {c["seed"]: c["probe"] for c in chosen_cells if c.get("probe")},
             "unigram_entropy": num(first.get("unigram_entropy"))}

@@ -33,6 +33,7 @@ from tqdm import tqdm
 from qklab.config import ConfigError
 from qklab.study.result import build_result, cell_header, failed_result, read_result, write_json_atomic
 from qklab.study.spec import Cell, Study, cell_hash, legacy_cell_hash
+from qklab.train.runfolder import RunLock, RunLockError
 
 DONE = ("ok", "diverged")
 STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # a worker's exit codes after RunInterrupted
@@ -65,7 +66,6 @@ def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, pro
     from qklab.diagnostics.stability import NonFiniteError
     from qklab.train.checkpoint import latest_checkpoint
     from qklab.train.metrics import read_metrics
-    from qklab.train.runfolder import RunLockError
     from qklab.train.signals import RunInterrupted
     from qklab.train.trainer import Trainer
 
@@ -141,7 +141,6 @@ def _worker(cell: Cell, study: str, out: Path, results: Path, threads: int, prob
     os.dup2(fd, 2)
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
-    from qklab.train.runfolder import RunLockError
     from qklab.train.signals import RunInterrupted
 
     try:
@@ -249,8 +248,6 @@ def _study_lock(study: Study, out: Path):
     """An exclusive lock on the study's folder for the life of this process (dropped however it ends).
     Without it a second ``qklab study run`` of the same study would find the first one's cells in flight,
     fail to lock their run folders and record them as failed."""
-    from qklab.train.runfolder import RunLock, RunLockError
-
     try:
         return RunLock(out)
     except RunLockError as e:
@@ -314,8 +311,6 @@ def _run_study(study: Study, out: Path, results: Path, workers: int, log) -> Out
                disable=not sys.stderr.isatty() and not os.environ.get("QKLAB_PROGRESS"))
     try:
         if workers <= 0:
-            from qklab.train.runfolder import RunLockError
-
             for cell in runnable:
                 try:
                     res = run_cell(cell, study.name, out, results, threads, study.protocol.probe)
