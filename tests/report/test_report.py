@@ -149,10 +149,14 @@ def test_several_studies_combine(tmp_path):
             c = result("none", 1.0, s, 5.0 + shift + 0.01 * s, 5.0 + shift, study=name)
             write_json_atomic(res / c["cell"] / "result.json", c)
     data = json.loads((write_report([tmp_path / "a", tmp_path / "b"], out=tmp_path / "r") / "report.json").read_text())
-    curves = data["figures"]["val_curves"]["mha"]
-    assert set(curves) == {"none (a)", "none (b)"}
-    assert curves["none (b)"]["mean"][-1] == pytest.approx(5.505)
+    curves = data["figures"]["val_curves"]  # one panel per study: their axes are not shared
+    assert set(curves) == {"a: mha", "b: mha"} and set(curves["b: mha"]) == {"none"}
+    assert curves["b: mha"]["none"]["mean"][-1] == pytest.approx(5.505)
+    assert curves["a: mha"]["none"]["mean"][-1] == pytest.approx(5.005)
     assert len(data["tables"]["results"]["rows"]) == 2
+    assert data["sources"] == [str(tmp_path / "a"), str(tmp_path / "b")]  # what it was built from
+    assert data["cells"] == sorted(f"{n}/none_lr1_s{s}" for n in "ab" for s in range(2))
+    assert (tmp_path / "r" / "val_curves.png").exists()
 
 
 def test_head_series_from_records_to_figure_data(tmp_path):

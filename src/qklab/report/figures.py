@@ -36,13 +36,15 @@ def _band(curves: list[dict[str, list]], key: str) -> dict[str, list[float]]:
 
 
 def figure_data(analysis: dict[str, Any]) -> dict[str, Any]:
-    """Series per figure, keyed by attention type ('mha', 'mla') then variant label."""
+    """Series per figure, keyed by panel then variant name. A panel is an attention type ('mha', 'mla');
+    in a report of several studies it is a study and attention type ('qkmap_cpu: mha'), since studies
+    differ in optimizer, schedule and length and their curves do not share axes."""
     data: dict[str, Any] = {"val_curves": {}, "train_curves": {}, "lr_sensitivity": {}, "logit_by_rate": {},
                             "max_logit": {},
                             "logit_change": {}, "first_token": {}, "probes": {}, "head_max_logit": {},
                             "head_w_norms": {}, "quack_factors": {}}
     for g in analysis["groups"]:
-        att, label = g["attention"], _label(g)
+        att, label = _panel(g), variant_name(g)
         data["val_curves"].setdefault(att, {})[label] = _band([c["val"] for c in g["curves"]], "val_loss")
         data["train_curves"].setdefault(att, {})[label] = _band([c["train"] for c in g["curves"]], "loss")
         data["max_logit"].setdefault(att, {})[label] = _band([c["max_logit"] for c in g["curves"]], "max_logit")
@@ -94,9 +96,15 @@ def variant_name(g: dict[str, Any]) -> str:
     return g["variant"] + (f" [{g['point']}]" if g["point"] else "")
 
 
-def _label(g: dict[str, Any]) -> str:
-    """A group's legend name: its variant name, and its study in a multi-study report."""
-    return variant_name(g) + (f" ({g['study']})" if g.get("multi") else "")
+def _panel(g: dict[str, Any]) -> str:
+    """A group's figure panel: its attention type, prefixed by its study in a multi-study report."""
+    return f"{g['study']}: {g['attention']}" if g.get("multi") else g["attention"]
+
+
+def panel_title(key: str) -> str:
+    """'mha' -> 'MHA', 'qkmap_cpu: mha' -> 'qkmap_cpu: MHA'."""
+    study, _, att = key.rpartition(": ")
+    return f"{study}: {att.upper()}" if study else att.upper()
 
 
 def _probe_series(probes: list[dict]) -> dict[str, Any]:
@@ -147,14 +155,19 @@ def _plt():
 
 
 def _figure(series: dict[str, dict], path: Path, panel, sharey: bool = False) -> Path | None:
-    """One panel per attention type (MHA, MLA), each drawn by ``panel(ax, attention, its series)``."""
+    """One panel per key of ``series`` (attention type, or study and attention type), two to a row, each
+    drawn by ``panel(ax, key, its series)``."""
     if not any(series.values()):
         return None
     plt = _plt()
-    atts = sorted(series)
-    fig, axes = plt.subplots(1, len(atts), figsize=(6 * len(atts), 4), squeeze=False, sharey=sharey)
-    for ax, att in zip(axes[0], atts, strict=True):
-        panel(ax, att, series[att])
+    keys = sorted(series)
+    cols = min(2, len(keys))
+    rows = math.ceil(len(keys) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), squeeze=False, sharey=sharey)
+    for ax in axes.flat[len(keys):]:
+        ax.set_visible(False)
+    for ax, key in zip(axes.flat, keys, strict=False):
+        panel(ax, key, series[key])
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
@@ -175,7 +188,7 @@ def _curves(title: str, ylabel: str, log_y: bool = False, heads: bool = False):
                               f"{label} (n={s['n']})")
             if heads or s["n"] > 1:
                 ax.fill_between(s["step"], s["lo"], s["hi"], color=line.get_color(), alpha=0.15 if heads else 0.2)
-        ax.set_title(f"{title}: {att.upper()}", fontsize=9 if heads else None)
+        ax.set_title(f"{title}: {panel_title(att)}", fontsize=9 if heads else None)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         if log_y:
@@ -187,7 +200,7 @@ def _by_rate(title: str, ylabel: str, log_y: bool = False):
     """A panel of a final value against the learning rate (mean +- std over seeds; x: a seed diverged)."""
     def panel(ax, att, series) -> None:
         _rate_lines(ax, series)
-        ax.set_title(f"{title}: {att.upper()} (x: a seed diverged)")
+        ax.set_title(f"{title}: {panel_title(att)} (x: a seed diverged)", fontsize=9)
         ax.set_ylabel(ylabel)
         if log_y:
             ax.set_yscale("log")
@@ -223,7 +236,7 @@ def _first_token(ax, att, series) -> None:
     ax.axhline(0.3, color="tab:red", ls=":", lw=1, label="sink threshold 0.3")
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
-    ax.set_title(f"first-token attention at the end: {att.upper()}")
+    ax.set_title(f"first-token attention at the end: {panel_title(att)}")
     ax.set_ylim(0, 1.1 * max([0.35, *(m for m in means if math.isfinite(m))]))
 
 
@@ -258,7 +271,7 @@ def _probes(series: dict[str, dict], path: Path) -> Path | None:
         for ax, title, ylab in ((row[0], "retrieval log-contrast (evidence vs control)", "log ratio"),
                                 (row[1], "attention mass on the evidence", "mass"),
                                 (row[2], "attention change under input scale a", "JS divergence vs a = 1")):
-            ax.set_title(f"{title}: {att.upper()}", fontsize=9)
+            ax.set_title(f"{title}: {panel_title(att)}", fontsize=9)
             ax.set_ylabel(ylab)
             ax.set_xscale("log", base=2)
             ax.grid(alpha=0.3)

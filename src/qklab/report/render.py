@@ -274,6 +274,8 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
     (out / "report.html").write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>"
                                      f"{html.escape(title)}</title><style>{style}</style></head><body>"
                                      + "\n".join(body) + "</body></html>\n")
-    write_json_atomic(out / "report.json", {"figures": data, "tables": {k: {"head": h, "rows": r}
-                                                                         for k, (h, r) in tables.items()}})
+    # what the report was built from, so that it can be checked against those files while a study goes on
+    made_from = {"sources": [str(d) for d in dirs], "cells": sorted(f"{r['study']}/{r['cell']}" for r in results)}
+    write_json_atomic(out / "report.json", {**made_from, "figures": data,
+                                            "tables": {k: {"head": h, "rows": r} for k, (h, r) in tables.items()}})
     return out
