@@ -22,7 +22,7 @@ while true; do
   if [ -n "$(new_cells)" ]; then
     while true; do  # rebuild until no cell finished during the build
       before=$(ls "$d"/*/result.json)
-      nice -n 10 "$qklab" report "$d" --out "$d/report" > /dev/null
+      nice -n 10 "$qklab" report "$d" --out "$d/report" --title "qklab study: $study" > /dev/null
       rm -f "$d/report/report.html"
       [ "$before" = "$(ls "$d"/*/result.json)" ] && break
     done
