@@ -132,3 +132,23 @@ def test_published_verdicts(study, rows):
     for claim, (verdict, figure) in EXPECT[study].items():
         assert got[claim][0] == f"**{verdict}**", (claim, got[claim])
         assert figure in got[claim][1], (claim, got[claim])
+
+
+def _readme_claims() -> dict[str, str]:
+    """docs/results/README.md's claims table: claim -> the verdict its row starts with."""
+    rows = {}
+    for line in (RESULTS / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 4 and cells[0] in ("QK-MAP", "QuacK"):
+            rows[cells[1]] = cells[3].split("**")[1] if cells[3].startswith("**") else cells[3]
+    return rows
+
+
+@pytest.mark.skipif(not (RESULTS / "report" / "report.json").exists(), reason="no combined report committed")
+def test_results_readme_states_the_combined_reports_verdicts():
+    """The claims table of docs/results/README.md has a row for every claim of the combined report
+    (docs/results/report/), with the verdict that report gives it."""
+    committed = json.loads((RESULTS / "report" / "report.json").read_text())["tables"]["claims"]["rows"]
+    readme = _readme_claims()
+    want = {r[1]: r[4].strip("*") for r in committed}
+    assert {c: readme.get(c) for c in want} == want
