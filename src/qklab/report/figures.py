@@ -101,7 +101,7 @@ def _panel(g: dict[str, Any]) -> str:
     return f"{g['study']}: {g['attention']}" if g.get("multi") else g["attention"]
 
 
-def panel_title(key: str) -> str:
+def _panel_title(key: str) -> str:
     """'mha' -> 'MHA', 'qkmap_cpu: mha' -> 'qkmap_cpu: MHA'."""
     study, _, att = key.rpartition(": ")
     return f"{study}: {att.upper()}" if study else att.upper()
@@ -188,7 +188,7 @@ def _curves(title: str, ylabel: str, log_y: bool = False, heads: bool = False):
                               f"{label} (n={s['n']})")
             if heads or s["n"] > 1:
                 ax.fill_between(s["step"], s["lo"], s["hi"], color=line.get_color(), alpha=0.15 if heads else 0.2)
-        ax.set_title(f"{title}: {panel_title(att)}", fontsize=9 if heads else None)
+        ax.set_title(f"{title}: {_panel_title(att)}", fontsize=9 if heads else None)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         if log_y:
@@ -200,7 +200,7 @@ def _by_rate(title: str, ylabel: str, log_y: bool = False):
     """A panel of a final value against the learning rate (mean +- std over seeds; x: a seed diverged)."""
     def panel(ax, att, series) -> None:
         _rate_lines(ax, series)
-        ax.set_title(f"{title}: {panel_title(att)} (x: a seed diverged)", fontsize=9)
+        ax.set_title(f"{title}: {_panel_title(att)} (x: a seed diverged)", fontsize=9)
         ax.set_ylabel(ylabel)
         if log_y:
             ax.set_yscale("log")
@@ -236,7 +236,7 @@ def _first_token(ax, att, series) -> None:
     ax.axhline(0.3, color="tab:red", ls=":", lw=1, label="sink threshold 0.3")
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
-    ax.set_title(f"first-token attention at the end: {panel_title(att)}")
+    ax.set_title(f"first-token attention at the end: {_panel_title(att)}")
     ax.set_ylim(0, 1.1 * max([0.35, *(m for m in means if math.isfinite(m))]))
 
 
@@ -271,7 +271,7 @@ def _probes(series: dict[str, dict], path: Path) -> Path | None:
         for ax, title, ylab in ((row[0], "retrieval log-contrast (evidence vs control)", "log ratio"),
                                 (row[1], "attention mass on the evidence", "mass"),
                                 (row[2], "attention change under input scale a", "JS divergence vs a = 1")):
-            ax.set_title(f"{title}: {panel_title(att)}", fontsize=9)
+            ax.set_title(f"{title}: {_panel_title(att)}", fontsize=9)
             ax.set_ylabel(ylab)
             ax.set_xscale("log", base=2)
             ax.grid(alpha=0.3)
