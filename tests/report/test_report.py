@@ -328,6 +328,30 @@ def test_claims_pair_within_one_study_and_prefer_the_tuning_grid(tmp_path):
     assert r["verdict"] == "agree" and r["measured"].startswith("none - qkmap: -0.500"), r
 
 
+def test_claims_take_the_rate_tuned_variant_not_a_one_rate_ablation(tmp_path):
+    """qkmap_cpu's case: an ablation run at one rate borrowed from its family (QK-MAP at T = 8, x2 only)
+    whose selection loss is lower by a hair does not stand in for the method tuned on its own rate grid."""
+    from qklab.report.claims import claims_table
+    from qklab.study.analyze import analyze, load_results
+
+    res = tmp_path / "qm"
+    write_json_atomic(res / "study.json", {"name": "qm", "config": "tiny", "seeds": [0, 1, 2],
+                                           "variants": {v: {} for v in ("none", "qkmap", "qkmap-T8")},
+                                           "protocol": {"reference": "none", "lr_mults": [1.0, 2.0, 4.0]}})
+    noise = [0.0, 0.01, -0.01]
+    for s, n in enumerate(noise):
+        cells = [("none", "none", m, 4.0 + 0.1 * abs(m - 1), 4.0) for m in (1.0, 2.0, 4.0)]
+        cells += [("qkmap", "qkmap", m, 3.8 + 0.1 * abs(m - 2), 3.5) for m in (1.0, 2.0, 4.0)]
+        cells += [("qkmap-T8", "qkmap", 2.0, 3.799, 3.9)]  # better on selection, worse on report
+        for v, method, m, sel, rep in cells:
+            c = result(v, m, s, sel + n, rep + n + (0.02 * s if v == "none" else 0), method=method, study="qm")
+            write_json_atomic(res / c["cell"] / "result.json", c)
+    rows = {r["claim"]: r for r in claims_table(analyze(*load_results([res]))["groups"])}
+    r = rows["lower validation loss than Standard attention"]
+    assert r["measured"].startswith("qkmap - none: -0.520"), r
+    assert r["verdict"] == "agree"
+
+
 def test_header_counts_finished_cells_from_the_study_file(tmp_path):
     """Each study's line says how many of its cells (study.json's list) have results, and counts apart
     the results of cells that left the study (a grid moved mid-study)."""
