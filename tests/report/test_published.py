@@ -59,6 +59,10 @@ EXPECT = {  # study -> {claim: (verdict, figure)}, as docs/results/README.md sta
         "stronger attention contrast on relevant evidence at long context":
             ("inconclusive", "none - qkmap: -1.620, 95% CI [-3.795, +0.554]"),
     },
+    "logit_control_width": {
+        "its advantage over no intervention grows with width (the paper's argument)":
+            ("agree", "gap at width 64 - gap at width 256: -0.364, 95% CI [-0.442, -0.286]"),
+    },
 }
 
 
