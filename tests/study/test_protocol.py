@@ -64,3 +64,17 @@ def test_diverged_and_failed_cells_in_the_sweep():
     assert g["highest_stable"] == 2.0
     assert g["sweep"][4.0]["diverged"] == 1 and g["sweep"][8.0]["failed"] == 1
     assert g["failed"] == [{"cell": "std_lr8_s0", "failure": "KeyError: planted", "log": "logs/std.log"}]
+
+
+def test_grid_points_are_labelled_by_their_keys_and_ordered_by_value():
+    """A width ladder's points read `d_model=64,n_heads=1` (not the override dict) and come out in
+    numeric order, 64 before 128 before 256 (a string sort puts 64 last)."""
+    rs = []
+    for d, h in ((128, 2), (256, 4), (64, 1)):
+        for s in (0, 1):
+            r = result("none", 1.0, s, 4.0 + d / 1000, 4.0)
+            r["point"] = {"shape": {"model.d_model": d, "model.n_heads": h}}
+            rs.append(r)
+    groups = analyze(rs, {})["groups"]
+    assert [g["point"] for g in groups] == ["d_model=64,n_heads=1", "d_model=128,n_heads=2", "d_model=256,n_heads=4"]
+    assert [round(g["sweep"][1.0]["select"]["mean"], 3) for g in groups] == [4.064, 4.128, 4.256]

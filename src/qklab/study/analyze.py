@@ -14,6 +14,7 @@ split, and compare each variant with its reference on the same seeds.
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
@@ -69,9 +70,22 @@ def select_rate(select: Mapping[float, list[float]], eligible: Mapping[float, bo
     return None if best is None else best[0]
 
 
+def point_label(point: dict[str, Any]) -> str:
+    """A grid point as a short label: {"shape": {"model.d_model": 64, "model.n_heads": 1}} -> "d_model=64,
+    n_heads=1"; {"model.d_model": 64} -> "d_model=64" (each config key by its last part)."""
+    items = []
+    for k, v in sorted(point.items()):
+        items += sorted(v.items()) if isinstance(v, dict) else [(k, v)]
+    return ",".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in items)
+
+
+def _natural(s: str) -> list:
+    """Sort key that orders the numbers in a label by value (d_model=64 before d_model=128)."""
+    return [(0, float(t), "") if t[:1].isdigit() else (1, 0.0, t) for t in re.split(r"(\d+(?:\.\d+)?)", s) if t]
+
+
 def _key(r: dict) -> tuple[str, str, str]:
-    point = ",".join(f"{k}={v}" for k, v in sorted(r.get("point", {}).items()))
-    return r.get("study", ""), r["variant"], point
+    return r.get("study", ""), r["variant"], point_label(r.get("point", {}))
 
 
 def analyze(results: list[dict], studies: dict[str, dict]) -> dict[str, Any]:
@@ -93,7 +107,7 @@ def analyze(results: list[dict], studies: dict[str, dict]) -> dict[str, Any]:
         if rg is not None and rg is not g and g["chosen"] is not None and rg["chosen"] is not None:
             for metric in ("report_loss", "train_loss", "max_logit", "first_token"):
                 g["paired"][metric] = paired_difference(g["at_chosen"][metric], rg["at_chosen"][metric])
-    ordered = sorted(groups.values(), key=lambda g: (g["study"], g["point"], g["attention"], g["order"]))
+    ordered = sorted(groups.values(), key=lambda g: (g["study"], _natural(g["point"]), g["attention"], g["order"]))
     return {"groups": ordered, "studies": studies, "n_results": len(results)}
 
 
