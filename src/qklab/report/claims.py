@@ -63,9 +63,9 @@ def _places(groups, a: tuple, b: tuple) -> tuple[list[tuple[dict, dict]], str]:
         return [], "the two methods never ran in the same study and grid point"
     width: dict[tuple, int] = {}  # (study, point) -> the most rates any group of either kind ran there
     for g in ga + gb:
-        k = (g["study"], repr(g["point"]))
+        k = (g["study"], g["point"])  # the point is its label, a string
         width[k] = max(width.get(k, 0), len(g["sweep"]))
-    pairs.sort(key=lambda p: (-width[(p[0]["study"], repr(p[0]["point"]))],  # stable: selection order kept
+    pairs.sort(key=lambda p: (-width[(p[0]["study"], p[0]["point"])],  # stable: selection order kept
                               -min(len(p[0]["sweep"]), len(p[1]["sweep"]))))
     return pairs, ""
 

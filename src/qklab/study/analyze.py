@@ -70,7 +70,7 @@ def select_rate(select: Mapping[float, list[float]], eligible: Mapping[float, bo
     return None if best is None else best[0]
 
 
-def point_label(point: dict[str, Any]) -> str:
+def _point_label(point: dict[str, Any]) -> str:
     """A grid point as a short label: {"shape": {"model.d_model": 64, "model.n_heads": 1}} -> "d_model=64,
     n_heads=1"; {"model.d_model": 64} -> "d_model=64" (each config key by its last part)."""
     items = []
@@ -85,7 +85,7 @@ def _natural(s: str) -> list:
 
 
 def _key(r: dict) -> tuple[str, str, str]:
-    return r.get("study", ""), r["variant"], point_label(r.get("point", {}))
+    return r.get("study", ""), r["variant"], _point_label(r.get("point", {}))
 
 
 def analyze(results: list[dict], studies: dict[str, dict]) -> dict[str, Any]:
