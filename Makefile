@@ -1,23 +1,25 @@
 # Quick start: `make demo` and `make test` each set up .venv on first use.
 # `demo` needs only the runtime packages; `test` (and lint, bench) add the dev extra.
+# Every install takes its exact versions from constraints.txt (pyproject.toml has the ranges).
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
+PIP     := $(BIN)/pip install -q -c constraints.txt
 CORE    := $(VENV)/.installed-core
 DEV     := $(VENV)/.installed-dev
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench gpu-dry lock clean
 
-$(CORE): pyproject.toml
+$(CORE): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# CPU build of torch first: a looser spec would pull a multi-GB CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e .
+	# torch first, at the locked CPU build: resolved through the ranges, pip would pull a multi-GB CUDA build.
+	$(PIP) torch
+	$(PIP) -e .
 	@touch $(CORE)
 
 $(DEV): $(CORE)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(PIP) -e '.[dev]'
 	@touch $(DEV)
 
 setup: $(DEV)
@@ -29,10 +31,19 @@ test: $(DEV)
 	$(BIN)/python -m pytest tests
 
 lint: $(DEV)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check .
 
 bench: $(DEV)
 	$(BIN)/python benchmarks/throughput.py --config small
+
+# every step of scripts/gpu_check.sh on the CPU with tiny shapes (what a lent GPU will run)
+gpu-dry: $(DEV)
+	GPU_CHECK_DRY=1 PY=$(BIN)/python OUT=runs/gpu_check_dry scripts/gpu_check.sh
+
+# constraints.txt from the packages of a working .venv (after changing a range in pyproject.toml)
+lock: $(DEV)
+	{ sed -n '/^#/p' constraints.txt; $(BIN)/pip freeze --all --exclude-editable | grep -v '^pip==' \
+	  | sed 's/+cpu$$//'; } > constraints.txt.new && mv constraints.txt.new constraints.txt
 
 clean:
 	rm -rf $(VENV) .cache runs

@@ -19,6 +19,7 @@ from qklab.data import DataError
 from qklab.diagnostics.stability import NonFiniteError
 from qklab.train.checkpoint import CheckpointError
 from qklab.train.signals import RunInterrupted, TermRaises
+from qklab.version import version_line
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -102,6 +103,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="qklab", description="Train and compare QK methods for attention.")
+    p.add_argument("--version", action="version", version=version_line())
     sub = p.add_subparsers(dest="cmd", required=True)
 
     t = sub.add_parser("train", help="train a GPT with a QK method")

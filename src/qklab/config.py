@@ -14,6 +14,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -141,7 +142,7 @@ class TrainConfig:
     diag_batch: int = 4  # sequences (of seq_len tokens) in the diagnostics probe batch
     nonfinite: str = "stop"  # non-finite loss or gradient: stop (end the run) | skip (do not apply the step)
     skip_limit: float = 0.1  # nonfinite=skip: a run that skips more than this share of its steps fails (exit 1)
-    parallel: str = "none"  # none | ddp | fsdp: data parallel over the processes torchrun starts (qklab.dist)
+    parallel: str = "none"  # none | ddp | fsdp: data parallel over the processes torchrun starts (qklab.parallel)
     ckpt_format: str = "auto"  # full (safetensors, gathered on rank 0) | sharded (DCP, each rank its shards) | auto:
     # sharded under FSDP2 on 2+ processes, else full; either kind resumes on any number of processes
 
@@ -326,11 +327,18 @@ def resume_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 # ---------------------------------------------------------------------------------------------------
 # loading
 
-PRESET_DIR = Path(__file__).resolve().parents[2] / "configs"
+def packaged(name: str) -> Path:
+    """A folder of TOML files shipped inside the package (``presets``, ``studies``), as a path: a wheel
+    installs qklab as plain files, so ``importlib.resources`` gives a real folder."""
+    return Path(str(resources.files("qklab") / name))
+
+
+PRESET_DIR = packaged("presets")
 
 
 def resolve_named_file(spec: str, folder: Path, what: str, kind: str) -> Path:
-    """'tiny', 'configs/tiny.toml' or any path -> an existing TOML file (a name is looked up in folder)."""
+    """'tiny', 'configs/tiny.toml' or any path -> an existing TOML file: the path as given first, then the
+    name in ``folder`` (one of the package's own)."""
     p = Path(spec)
     for cand in (p, folder / p.name, folder / f"{spec}.toml"):
         if cand.is_file():

@@ -201,6 +201,7 @@ def test_pystdlib_subset_with_bytes(tmp_path: Path) -> None:
 
 
 def test_hf_local_jsonl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("datasets")  # the `datasets` extra
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     rows = [{"text": f"row number {i}: " + "abc " * i, "id": i} for i in range(30)]

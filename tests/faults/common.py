@@ -76,7 +76,8 @@ def cli(*argv: str) -> Result:
 def child(argv: list[str], prelude: str = "") -> subprocess.Popen:
     """``qklab <argv>`` in a child process; ``prelude`` (Python) runs first, e.g. to plant a slow write."""
     code = f"import sys\n{prelude}\nfrom qklab.cli import main\nsys.exit(main({argv!r}))\n"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keep PYTHONPATH=src
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,  # SIGINT handled as in a terminal, even
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # under `nohup &`

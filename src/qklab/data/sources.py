@@ -145,7 +145,7 @@ def _load_hf(cfg: DataConfig) -> SourceDocs:
         import datasets
     except ImportError as exc:  # pragma: no cover - datasets is a declared dependency
         raise DataError(
-            "data.source: 'hf:' sources need the 'datasets' package; pip install datasets"
+            "data.source: 'hf:' sources need the 'datasets' package; pip install 'qklab[datasets]'"
         ) from exc
 
     cache = str(Path(cfg.cache_dir) / "hf")

@@ -6,11 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from qklab.config import ConfigError, resolve_named_file
+from qklab.config import ConfigError, packaged, resolve_named_file
 from qklab.study.runner import Outcome, cell_status, reusable, reuse_index, run_study
 from qklab.study.spec import Study, load_study
 
-STUDY_DIR = Path(__file__).resolve().parents[3] / "studies"
+STUDY_DIR = packaged("studies")
 
 
 def resolve_study(spec: str) -> Path:

@@ -2,7 +2,7 @@
 
 A checkpoint is a folder ``ckpt/step_XXXXXXX/`` holding ``model.safetensors`` (weights), ``state.pt``
 (optimizer, controller, data-loader and RNG state, step, config) and ``manifest.json`` (the size and
-sha256 of each file). A sharded checkpoint (``train.ckpt_format=sharded``, ``qklab.dist.dcp``) holds the
+sha256 of each file). A sharded checkpoint (``train.ckpt_format=sharded``, ``qklab.parallel.dcp``) holds the
 weights and optimizer states in ``dcp/``, written by every rank, instead of ``model.safetensors``.
 
 A checkpoint is written under a temporary name, every file is fsynced, and only then
@@ -232,7 +232,7 @@ def load_weights(path: Path, model: nn.Module) -> None:
     sharded checkpoint (strict: every tensor, every shape)."""
     try:
         if is_sharded(path):
-            from qklab.dist.dcp import DCP_DIR, load_sharded_weights
+            from qklab.parallel.dcp import DCP_DIR, load_sharded_weights
 
             load_sharded_weights(path / DCP_DIR, model)
         else:

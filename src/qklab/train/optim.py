@@ -44,7 +44,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig,
     """One optimizer (AdamW) or two (Muon for hidden matrices + AdamW for the rest). QK-method
     parameters that ask for it (QK-MAP's frequencies and temperature) get an AdamW group of their own:
     no weight decay, their method's rate multiplier. ``muon_cls``: torch's Muon, or a subclass (FSDP2
-    shards: ``qklab.dist.muon.ShardedMuon``)."""
+    shards: ``qklab.parallel.muon.ShardedMuon``)."""
     hidden = hidden_matrix_names(model)
     own = method_groups(model)
     taken = {n for _, named in own.values() for n, _ in named}

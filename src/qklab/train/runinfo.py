@@ -1,29 +1,14 @@
-"""What a run records about itself and where it runs: git SHA, package versions, device, run name."""
+"""What a run records about itself and where it runs: package versions, device, run name."""
 
 from __future__ import annotations
 
 import platform
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from qklab.config import ConfigError, RunConfig, check_run_name, comparable, resume_changes
-
-
-def git_sha() -> str:
-    root = Path(__file__).resolve().parents[3]
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10)
-        if sha.returncode != 0:
-            return "unknown"
-        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def versions() -> dict[str, str]:

@@ -17,18 +17,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from qklab import dist as qdist
+from qklab import parallel as qdist
 from qklab.atomic import atomic_write_text
 from qklab.config import ConfigError, RunConfig, comparable
 from qklab.data import DataError, PreparedData, TokenLoader, prepare_data
 from qklab.data.retrieval import train_loader
 from qklab.diagnostics.monitor import AttentionMonitor
 from qklab.diagnostics.stability import NonFiniteError, SpikeDetector
-from qklab.dist import DistContext, RankSlice, wrap_ddp
-from qklab.dist.dcp import DCP_DIR
 from qklab.methods import CONTROLLERS
 from qklab.model import GPT
 from qklab.model.flex import causal_block_mask
+from qklab.parallel import DistContext, RankSlice, wrap_ddp
+from qklab.parallel.dcp import DCP_DIR
 from qklab.train.checkpoint import (
     CheckpointError,
     complete_checkpoints,
@@ -44,9 +44,10 @@ from qklab.train.evaluate import eval_loss, max_attention_logits
 from qklab.train.metrics import MetricsLog, NoMetrics
 from qklab.train.optim import build_optimizer, lr_mult, set_lr
 from qklab.train.runfolder import FollowerFolder, RunFolder
-from qklab.train.runinfo import check_resume_config, git_sha, pick_device, run_name, versions
+from qklab.train.runinfo import check_resume_config, pick_device, run_name, versions
 from qklab.train.signals import RunInterrupted, StopSignals
 from qklab.train.trackers import build_trackers
+from qklab.version import git_sha
 
 # mistakes the user can fix, reported in one line; any other exception is a bug in qklab
 USER_ERRORS = (ConfigError, DataError, CheckpointError, OSError, NonFiniteError, RunInterrupted)

@@ -13,9 +13,8 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.dist.common import assert_ranks_equal, TrainJob, check_against_one, single, spawn
+from tests.parallel.common import TrainJob, assert_ranks_equal, check_against_one, single, spawn
 
 CASES = {
     "ddp": {"qknorm-quack-adamw": ["qk.method=qknorm", "qk.controller=quack"],

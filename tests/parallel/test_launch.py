@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.dist.common import free_port
+from tests.parallel.common import free_port
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

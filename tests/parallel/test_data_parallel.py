@@ -7,10 +7,9 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from qklab.train.metrics import read_metrics
-from tests.dist.common import assert_ranks_equal, check_against_one, run_cases
+from tests.parallel.common import assert_ranks_equal, check_against_one, run_cases
 
 CASES = {
     "ddp": {

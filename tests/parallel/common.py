@@ -66,7 +66,7 @@ class TrainJob:
         t = Trainer(cfg(tmp, self.name, self.extra, self.batch), resume=self.resume, log=lambda s: None)
         t.run()
         if t.sharded:  # the full weights, gathered (rank 0 gets them)
-            from qklab.dist import full_state
+            from qklab.parallel import full_state
 
             weights = full_state(t.model, [])[0]
             if rank == 0:
@@ -84,7 +84,13 @@ def single(tmp: Path, name: str, extra: list[str], batch: int = 8, resume: bool 
     return t.model.state_dict()
 
 
-def assert_close_curves(a: list[float], b: list[float], rtol: float = 1e-5) -> None:
+# N ranks reduce the loss and the gradients in another order than one process: fp32 rounding noise of
+# ~1e-7 at step 1 that training amplifies (up to 1.2e-5 relative by step 5 on torch 2.11, less on 2.13).
+# A missed gradient sync, a wrong scale or another data order moves a curve by more than 1e-3.
+CURVE_RTOL = 5e-5
+
+
+def assert_close_curves(a: list[float], b: list[float], rtol: float = CURVE_RTOL) -> None:
     assert len(a) == len(b) and a, (a, b)
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         assert abs(x - y) <= rtol * abs(x), f"step {i + 1}: {x} vs {y}"
@@ -113,15 +119,16 @@ def run_cases(tmp: Path, cases: dict[str, list[str]], parallel: str) -> dict[str
 
 
 def check_against_one(tmp: Path, refs: dict[str, dict], name: str, parallel: str) -> None:
-    """The 2-rank run's loss curve equals one process's to 1e-5 relative, and so do its final weights
+    """The 2-rank run's loss curve equals one process's to CURVE_RTOL, and so do its final weights
     (rank 0's, gathered under FSDP). torch's Muon orthogonalises in bf16 (torch/optim/_muon.py), which
     turns fp32 rounding differences of the reduced gradient into bf16 ones in its weights: looser there."""
     assert_close_curves(losses(tmp, f"{name}-one"), losses(tmp, f"{name}-{parallel}"))
     saved = torch.load(tmp / f"{name}-{parallel}-rank0.pt")
     assert saved.keys() == refs[name].keys()
-    atol = 2e-3 if "muon" in name else 1e-5
+    atol = 2e-3 if "muon" in name else 1e-4  # 1e-4: one element in 4096 off by 6e-5, compiled, torch 2.11
     for k, w in saved.items():
-        torch.testing.assert_close(w, refs[name][k], rtol=1e-4, atol=atol, msg=f"{k} vs one process")
+        torch.testing.assert_close(w, refs[name][k], rtol=1e-4, atol=atol,
+                                   msg=lambda m, k=k: f"{k} vs one process: {m}")
 
 
 def assert_ranks_equal(tmp: Path, run: str, mode: str) -> None:

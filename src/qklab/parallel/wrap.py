@@ -9,12 +9,13 @@ number of processes with the same global batch.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
-from qklab.dist.context import DistContext
+from qklab.parallel.context import DistContext
 
 
 class RankSlice:
@@ -41,4 +42,8 @@ def wrap_ddp(model: nn.Module, ctx: DistContext, device: torch.device) -> nn.Mod
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)  # buffers: RoPE tables
+    # the buffers (RoPE tables) are the same on every rank: no sync in each forward. torch 2.13 names
+    # this forward_sync_buffers; before, broadcast_buffers=False (which also skips the init sync of them)
+    newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    no_sync = {"forward_sync_buffers": False} if newer else {"broadcast_buffers": False}
+    return DistributedDataParallel(model, device_ids=ids, **no_sync)

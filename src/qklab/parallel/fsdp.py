@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from qklab.dist.context import DistContext
 from qklab.methods.headwise import is_sharded
+from qklab.parallel.context import DistContext
 
 
 def small_params(model: nn.Module) -> set[nn.Parameter]:

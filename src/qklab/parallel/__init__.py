@@ -4,9 +4,9 @@ The trainer asks this package whether it is rank 0 and to reduce values over the
 and ``model/`` never import it (controllers receive an optional reduce function instead).
 """
 
-from qklab.dist.context import DistContext, launched
-from qklab.dist.dcp import load_sharded, save_sharded
-from qklab.dist.fsdp import (
+from qklab.parallel.context import DistContext, launched
+from qklab.parallel.dcp import load_sharded, save_sharded
+from qklab.parallel.fsdp import (
     all_finite,
     clip_grad_norm,
     full_state,
@@ -16,8 +16,8 @@ from qklab.dist.fsdp import (
     sync_replicated_grads,
     to_index,
 )
-from qklab.dist.muon import ShardedMuon
-from qklab.dist.wrap import RankSlice, wrap_ddp
+from qklab.parallel.muon import ShardedMuon
+from qklab.parallel.wrap import RankSlice, wrap_ddp
 
 __all__ = ["DistContext", "RankSlice", "ShardedMuon", "all_finite", "clip_grad_norm", "full_state", "launched",
            "load_full", "load_sharded", "save_sharded",

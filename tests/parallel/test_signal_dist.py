@@ -10,7 +10,7 @@ from pathlib import Path
 
 from qklab.train.signals import RunInterrupted
 from qklab.train.trainer import Trainer
-from tests.dist.common import TrainJob, cfg, losses, spawn
+from tests.parallel.common import TrainJob, cfg, losses, spawn
 
 
 class SignalJob:

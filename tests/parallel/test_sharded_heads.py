@@ -9,7 +9,7 @@ import torch
 import torch.distributed as tdist
 
 from qklab.methods.headwise import HeadMatrix, HeadScaledUpdate
-from tests.dist.common import spawn
+from tests.parallel.common import spawn
 
 
 class ShardedHeadsJob:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from qklab.config import ConfigError
 from qklab.model import GPT
 from qklab.train.checkpoint import latest_checkpoint, load_weights, verify_checkpoint
-from tests.dist.common import CopyRun, TrainJob, assert_close_curves, losses, single, spawn
+from tests.parallel.common import CopyRun, TrainJob, assert_close_curves, losses, single, spawn
 
 # a constant schedule: the lr does not depend on train.steps, so a 3-step run continued to 6 is one run
 DDP = ["train.schedule=constant", "qk.controller=qkclip", "train.optimizer=muon"]
