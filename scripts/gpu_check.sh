@@ -1,74 +1,131 @@
 #!/usr/bin/env bash
-# The prepared GPU check (under 8 minutes on one H200). Run from anywhere, on a CUDA machine with the
-# venv set up (README: GPU setup):
+# The prepared GPU check: one run on a lent GPU machine (its whole run fits in 8 minutes on one H200).
+# It needs no .venv and no network: the machine's python3 with torch, and qklab from this checkout
+# (PYTHONPATH=src), so nothing the image has travels with it.
 #
-#   scripts/gpu_check.sh                # logs and JSON under gpu_check_out/, a summary at the end
+#   scripts/gpu_check.sh                    # on the GPU machine: logs and JSON under $OUT (gpu_check_out/)
+#   GPU_CHECK_DRY=1 scripts/gpu_check.sh    # every step on this CPU with tiny shapes (CI runs this)
 #
-# 1. the environment (GPUs, torch, CUDA);
-# 2. the CUDA-only tests (the whole suite runs last, TESTS_LIMIT_S, default 240 s; train.device=auto
-#    picks the GPU where a test does not pin it);
+# 1. the environment (GPUs, torch, CUDA, the packages qklab imports);
+# 2. the CUDA-only tests (FlexAttention max scores, the device's own sync check);
 # 3. the two off-CPU fixes: QuacK on MLA without a query latent trains on CUDA, and its CUDA checkpoint
 #    resumes on the CPU;
-# 4. compiled bf16 train steps of the GPT-2 small shape (124M parameters: the byte tokenizer with a
-#    50257-token embedding, so no tokenizer is trained here) for none / qknorm / qkmap / quack / qkclip,
-#    their ratios to none, and MFU (eager and compiled) against the measured bf16 matmul peak;
-# 5. with 2 or more GPUs: DDP and FSDP2 over NCCL (torchrun, 2 processes) against one GPU at the same
-#    global batch.
-# Each step has its own time limit; a failed step is reported and the script goes on. Exit code: the
-# number of failed steps.
+# 4. the science payload (studies/gpu_payload.toml): a 38M-parameter GPT under Muon at a constant high
+#    rate for none, qknorm, quack, qkclip and qkmap, one seed; each cell's result.json lands under
+#    $OUT/gpu_payload/ for docs/results/gpu_payload and `qklab report`;
+# 5. compiled bf16 train steps of the GPT-2 small shape (124M parameters: the byte tokenizer with a
+#    50257-token embedding, so no tokenizer is trained) for none / qknorm / qkmap / quack / qkclip, their
+#    ratios to none, and MFU (eager and compiled) against the measured bf16 matmul peak (a method's MFU is
+#    none's times its step-time ratio);
+# 6. with 2 or more GPUs: DDP and FSDP2 over NCCL (2 processes) against one GPU at the same global batch;
+# 7. the whole test suite, in what time is left.
+# The dry run uses the same commands and code paths with train.device=cpu, fp32, tiny shapes and a few
+# steps; on one CPU it runs step 6 with 2 processes over gloo and skips step 7 (CI runs the suite).
+# Each step has its own time limit, cut to what is left of BUDGET_S (470 s); a failed step is reported and
+# the script goes on. The steps that bring results back come first.
+# Exit code: the number of failed steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
-OUT=${OUT:-gpu_check_out}
-mkdir -p "$OUT"
+if [ -z "${PY:-}" ]; then
+  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"  # qklab from this checkout, installed or not
 export PYTHONUNBUFFERED=1
+DRY=${GPU_CHECK_DRY:-0}
+OUT=${OUT:-gpu_check_out}
+SCRATCH=${SCRATCH:-$(mktemp -d)}  # run folders and checkpoints: not brought back
+mkdir -p "$OUT"
 FAILED=()
+T_START=$SECONDS
 
-step() {  # step NAME LIMIT_S COMMAND...: run it, keep its log, show its tail
+BUDGET_S=${BUDGET_S:-470}  # the whole run: 8 minutes on the lent machine, less a margin for the copy back
+
+step() {  # step NAME LIMIT_S COMMAND...: run it within its limit and what is left of BUDGET_S, keep its log
   local name=$1 limit=$2
   shift 2
-  echo "== $name ($(date -u +%H:%M:%S))"
+  local left=$((BUDGET_S - (SECONDS - T_START)))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 10 ]; then
+    echo "== $name: SKIPPED, ${left} s of the ${BUDGET_S} s budget left"
+    FAILED+=("$name(no time)")
+    return
+  fi
+  echo "== $name ($(date -u +%H:%M:%S), limit ${limit} s)"
   local t0=$SECONDS
   if timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; then
     tail -n "${TAIL:-6}" "$OUT/$name.log"
     echo "-- $name: ok in $((SECONDS - t0)) s"
   else
+    local rc=$?
     tail -n 25 "$OUT/$name.log"
-    echo "-- $name: FAILED (exit $?) after $((SECONDS - t0)) s; log: $OUT/$name.log"
+    echo "-- $name: FAILED (exit $rc) after $((SECONDS - t0)) s; log: $OUT/$name.log"
     FAILED+=("$name")
   fi
 }
 
-step env 60 bash -c "nvidia-smi -L; $PY -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count(), torch.cuda.get_device_name(0))'"
-NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "$DRY" = 1 ]; then
+  echo "== dry run: every step on the CPU, tiny shapes"
+  DEV=cpu; DTYPE=fp32; NGPU=2
+  BIG=(--config tiny --set model.vocab_size=512 --set train.batch_size=2 --set train.seq_len=32)
+  ROUNDS=(--rounds 1 --warmup 1); PEAK_N=256; BUDGET_S=${GPU_CHECK_DRY_BUDGET_S:-900}
+  PAYLOAD=(--set model.d_model=64 --set model.n_layers=2 --set model.n_heads=1 --set train.batch_size=2
+           --set train.seq_len=64 --set train.steps=30 --set train.warmup_steps=5 --set train.eval_every=15
+           --set train.diag_every=15 --set train.ckpt_every=30 --set train.eval_batches=2 --set data.max_files=40
+           --set train.lr=1e-2 --set train.device=cpu --set train.dtype=fp32)
+else
+  DEV=cuda; DTYPE=bf16
+  step env 60 bash -c "nvidia-smi -L"
+  NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  BIG=(--config gpt124m --set data.tokenizer=bytes --set model.vocab_size=50257 --set train.batch_size=16)
+  ROUNDS=(--rounds 6 --warmup 3); PEAK_N=8192
+  PAYLOAD=()
+fi
 
-# the tests that only run on CUDA first (FlexAttention max scores, the device's own sync check); the whole
-# suite (9 minutes on the 2-core CPU) runs last, so a timeout there costs no other step
-step tests_cuda 150 "$PY" -m pytest tests/model/test_flex.py tests/train/test_host_sync.py -q -p no:cacheprovider
+step versions 60 "$PY" - <<'PY'
+import importlib, platform
+import torch
+print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda,
+      "| devices", torch.cuda.device_count(), *([torch.cuda.get_device_name(0)] if torch.cuda.is_available() else []))
+for name in ("numpy", "tokenizers", "safetensors", "scipy", "matplotlib", "tqdm", "triton", "transformers"):
+    try:
+        print(f"{name} {importlib.import_module(name).__version__}")
+    except ImportError:
+        print(f"{name}: not installed")
+import qklab, qklab.train.trainer, qklab.parallel.muon, qklab.model.flex  # everything qklab imports at start
+from torch.nn.attention.flex_attention import AuxRequest  # noqa: F401  (FlexAttention's max scores)
+print(qklab.__file__)
+PY
 
-RUN="train.out_dir='$OUT/runs'"
-step mla_quack_cuda 90 "$PY" -m qklab train --config tiny --set model.attention=mla --set qk.controller=quack \
-  --set train.device=cuda --set train.steps=10 --set train.name=mla-quack --set "$RUN" --set train.progress=false --overwrite
-step cuda_ckpt_on_cpu 90 "$PY" -m qklab train --config tiny --set model.attention=mla --set qk.controller=quack \
-  --set train.device=cpu --set train.steps=12 --set train.name=mla-quack --set "$RUN" --set train.progress=false --resume
+# the tests that only run on CUDA (on the CPU they skip: the dry run checks that they collect and start)
+step tests_cuda 90 "$PY" -m pytest tests/model/test_flex.py tests/train/test_host_sync.py -q -p no:cacheprovider
 
-G124=(--config gpt124m --set data.tokenizer=bytes --set model.vocab_size=50257 --set train.device=cuda
-      --set train.dtype=bf16 --set train.batch_size=16)
-TAIL=40 step methods_124m 300 "$PY" benchmarks/step_time.py "${G124[@]}" --set train.compile=true --rounds 6 --warmup 3 \
+RUN="train.out_dir='$SCRATCH/runs'"
+MLA=(--config tiny --set model.attention=mla --set qk.controller=quack --set train.name=mla-quack --set "$RUN"
+     --set train.progress=false)
+step mla_quack_device 60 "$PY" -m qklab train "${MLA[@]}" --set train.device=$DEV --set train.steps=10 --overwrite
+step device_ckpt_on_cpu 60 "$PY" -m qklab train "${MLA[@]}" --set train.device=cpu --set train.steps=12 --resume
+
+# the science payload: ordinary study cells, their result.json files brought back under $OUT
+step payload 240 "$PY" -m qklab demo --study gpu_payload --workers 1 --out "$SCRATCH/payload" "${PAYLOAD[@]}"
+mkdir -p "$OUT/gpu_payload" && cp -r "$SCRATCH/payload/results/." "$OUT/gpu_payload/" 2>/dev/null
+echo "   payload results: $(find "$OUT/gpu_payload" -name result.json | wc -l) result.json under $OUT/gpu_payload"
+
+B=("${BIG[@]}" --set train.device=$DEV --set train.dtype=$DTYPE)
+TAIL=40 step methods_step_time 200 "$PY" benchmarks/step_time.py "${B[@]}" --set train.compile=true "${ROUNDS[@]}" \
   --variant none: --variant qknorm:qk.method=qknorm --variant qkmap:qk.method=qkmap \
   --variant quack:qk.controller=quack --variant qkclip:qk.controller=qkclip
-cp "$OUT/methods_124m.log" "$OUT/methods_124m.json" 2>/dev/null
-TAIL=30 step mfu_124m 180 "$PY" benchmarks/mfu.py "${G124[@]}" --device cuda --dtype bf16 --rounds 6 --peak-n 8192
-cp "$OUT/mfu_124m.log" "$OUT/mfu_124m.json" 2>/dev/null
+cp "$OUT/methods_step_time.log" "$OUT/methods_step_time.json" 2>/dev/null
+TAIL=30 step mfu 120 "$PY" benchmarks/mfu.py "${B[@]}" --device $DEV --dtype $DTYPE "${ROUNDS[@]}" --peak-n $PEAK_N
+cp "$OUT/mfu.log" "$OUT/mfu.json" 2>/dev/null
 
 if [ "$NGPU" -ge 2 ]; then
-  D=(--config tiny --set train.device=cuda --set train.steps=20 --set train.progress=false --set "$RUN" --overwrite)
-  step one_gpu 90 "$PY" -m qklab train "${D[@]}" --set train.name=one --set train.batch_size=8
+  D=(--config tiny --set train.device=$DEV --set train.steps=20 --set train.progress=false --set "$RUN" --overwrite)
+  step one_device 90 "$PY" -m qklab train "${D[@]}" --set train.name=one --set train.batch_size=8
   for P in ddp fsdp; do
-    step "nccl_$P" 120 "$(dirname "$PY")/torchrun" --nproc-per-node 2 -m qklab train "${D[@]}" \
+    step "parallel_$P" 120 "$PY" -m torch.distributed.run --nproc-per-node 2 -m qklab train "${D[@]}" \
       --set train.name="$P" --set train.batch_size=4 --set train.parallel=$P
   done
-  step nccl_compare 30 "$PY" - "$OUT/runs" <<'PY'
+  step parallel_compare 30 "$PY" - "$SCRATCH/runs" <<'PY'
 import json, sys
 from pathlib import Path
 runs = Path(sys.argv[1])
@@ -77,14 +134,20 @@ def curve(name):
 one = curve("one")
 for p in ("ddp", "fsdp"):
     got = curve(p)
+    assert len(got) == len(one), (p, len(got), len(one))
     rel = max(abs(a - b) / abs(a) for a, b in zip(one, got))
-    print(f"{p}: {len(got)} logged steps, max relative loss difference to one GPU {rel:.2e}")
+    print(f"{p}: {len(got)} logged steps, max relative loss difference to one device {rel:.2e}")
+    assert rel < 1e-2, f"{p} departs from one device"
 PY
 else
   echo "== fewer than 2 GPUs: the NCCL checks are skipped"
 fi
 
-step tests "${TESTS_LIMIT_S:-240}" "$PY" -m pytest tests -x -q -p no:cacheprovider
+if [ "$DRY" = 1 ]; then
+  echo "== dry run: the whole suite is CI's own step, not run here"
+else
+  step tests "${TESTS_LIMIT_S:-600}" "$PY" -m pytest tests -x -q -p no:cacheprovider  # in what time is left
+fi
 
-echo "== summary: ${#FAILED[@]} failed step(s) ${FAILED[*]:-}"
+echo "== summary: ${#FAILED[@]} failed step(s) ${FAILED[*]:-} in $((SECONDS - T_START)) s"
 exit "${#FAILED[@]}"
