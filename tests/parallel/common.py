@@ -65,7 +65,7 @@ class TrainJob:
     def __call__(self, tmp: Path, rank: int) -> None:
         t = Trainer(cfg(tmp, self.name, self.extra, self.batch), resume=self.resume, log=lambda s: None)
         t.run()
-        if t.sharded:  # the full weights, gathered (rank 0 gets them)
+        if t.parallel.sharded:  # the full weights, gathered (rank 0 gets them)
             from qklab.parallel import full_state
 
             weights = full_state(t.model, [])[0]

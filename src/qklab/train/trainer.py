@@ -6,7 +6,6 @@ import contextlib
 import json
 import math
 import random
-import shutil
 import time
 import traceback
 from dataclasses import dataclass
@@ -17,7 +16,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from qklab import parallel as qdist
 from qklab.atomic import atomic_write_text
 from qklab.config import ConfigError, RunConfig, comparable
 from qklab.data import DataError, PreparedData, TokenLoader, prepare_data
@@ -27,19 +25,10 @@ from qklab.diagnostics.stability import NonFiniteError, SpikeDetector
 from qklab.methods import CONTROLLERS
 from qklab.model import GPT
 from qklab.model.flex import causal_block_mask
-from qklab.parallel import DistContext, RankSlice, wrap_ddp
-from qklab.parallel.dcp import DCP_DIR
-from qklab.train.checkpoint import (
-    CheckpointError,
-    complete_checkpoints,
-    is_sharded,
-    latest_checkpoint,
-    load_weights,
-    new_staging_dir,
-    newest_usable,
-    remove_stale_temps,
-    save_checkpoint,
-)
+from qklab.parallel import DistContext
+from qklab.parallel.strategy import strategy
+from qklab.train.checkpoint import CheckpointError
+from qklab.train.checkpointer import Checkpointer
 from qklab.train.evaluate import eval_loss, max_attention_logits
 from qklab.train.metrics import MetricsLog, NoMetrics
 from qklab.train.optim import build_optimizer, lr_mult, set_lr
@@ -110,13 +99,13 @@ class Trainer:
             # that range, and a CPU sgemm on subnormal inputs runs ~100x slower (benchmarks/denormal.py)
             torch.set_flush_denormal(True)
         if self.dist.is_main:
-            remove_stale_temps(self.ckpt_dir)  # left by a killed writer or a full disk; frees the space first
-        found = newest_usable(self.ckpt_dir, warn=self._say) if resume else None
+            Checkpointer.clean(self.ckpt_dir)  # left by a killed writer or a full disk; frees the space first
+        found = Checkpointer.find(self.ckpt_dir, warn=self._say) if resume else None
         if resume and found is None:
             raise ConfigError(f"--resume: no usable checkpoint in {self.ckpt_dir}; start the run without --resume")
         if found is not None:
             check_resume_config(cfg, found[1].get("config") or {}, found[1].get("world", 1), self.dist.world)
-        if not resume and not overwrite and complete_checkpoints(self.ckpt_dir):
+        if not resume and not overwrite and Checkpointer.has_checkpoints(self.ckpt_dir):
             raise ConfigError(f"run folder {self.run_dir} already has checkpoints; pass --resume to continue "
                               "it, --overwrite to start again, or set train.name")
 
@@ -128,17 +117,16 @@ class Trainer:
                               "set it to 0 to take the tokenizer's")
         _seed_everything(t.seed)
         self.model = GPT(cfg.model, cfg.qk).to(self.device)
-        self.sharded = self.dist.parallel == "fsdp" and self.dist.active
-        if self.sharded:  # before the optimizers and the controller: they hold the sharded parameters
-            qdist.shard_model(self.model, self.dist)
-        self.optimizers = build_optimizer(self.model, t, qdist.ShardedMuon if self.sharded else torch.optim.Muon)
+        self.parallel = strategy(self.dist, self._cpu_model)  # one process, DDP or FSDP2: asked, not tested
+        self.parallel.prepare(self.model)  # before the optimizers and the controller: they hold its parameters
+        self.optimizers = build_optimizer(self.model, t, self.parallel.muon)
+        self.checkpointer = Checkpointer(self.ckpt_dir, self.parallel, self.optimizers, t.ckpt_format, t.keep_ckpts)
         self.controller = CONTROLLERS[cfg.qk.controller](self.model, self.optimizers, cfg.qk.opts(cfg.qk.controller))
         self.controller.reduce = self.dist.reduce if self.dist.active else None  # e.g. QK-clip's max over ranks
         data_seed = t.seed if t.data_seed < 0 else t.data_seed  # a study fixes it: same tokens in every cell
         world = self.dist.world  # every rank draws the global micro-batch and keeps its own rows
-        self.loader = train_loader(self.data, t.batch_size * world, t.seq_len, data_seed, cfg.data.retrieval)
-        if self.dist.active:
-            self.loader = RankSlice(self.loader, self.dist)
+        self.loader = self.parallel.loader(train_loader(self.data, t.batch_size * world, t.seq_len, data_seed,
+                                                        cfg.data.retrieval))
         # val_loss: the selection part of the held-out text; report_loss (final step only): the report part
         self.val_batches = TokenLoader.eval_batches(self.data.select_tokens(), t.batch_size, t.seq_len,
                                                     t.eval_batches, name="selection (held-out)")
@@ -146,8 +134,6 @@ class Trainer:
                                                        t.eval_batches, name="report (held-out)")
         if self.device.type == "cuda":  # FlexAttention's causal mask, made before anything is compiled
             causal_block_mask(t.seq_len, self.device)
-        self.wrapped = self.model  # what the train step calls: the model, or its DDP wrapper (set in wrap())
-        self.fwd = torch.compile(self.model) if t.compile else self.model
         self.monitor = (AttentionMonitor.from_tokens(self.data.val_tokens(), t.diag_batch, t.seq_len)
                         if t.diag_every else None)  # attention diagnostics; None: off
         self.spikes = SpikeDetector()
@@ -170,10 +156,10 @@ class Trainer:
                                   trackers=trackers)
 
     def wrap(self) -> None:
-        """Data parallel wrapping (a collective: every rank calls it once the build agreed)."""
-        if self.dist.parallel == "ddp" and self.dist.active:
-            self.wrapped = wrap_ddp(self.model, self.dist, self.device)
-            self.fwd = torch.compile(self.wrapped) if self.cfg.train.compile else self.wrapped
+        """What the train step calls: the model or its DDP wrapper, compiled or not (a collective: every rank
+        calls it once the build agreed)."""
+        wrapped = self.parallel.wrap()
+        self.fwd = torch.compile(wrapped) if self.cfg.train.compile else wrapped
 
     # ------------------------------------------------------------------------------------------------
     def autocast(self):
@@ -202,11 +188,10 @@ class Trainer:
         self.folder.release()
         self.dist.close()
 
-    def _state(self, optimizers: Any = True) -> dict[str, Any]:
-        """Everything a checkpoint holds besides the weights; ``optimizers``: True for their state dicts,
-        else the value to store instead (FSDP's gathered states; None when they are in DCP shards)."""
-        return {"optimizers": [o.state_dict() for o in self.optimizers] if optimizers is True else optimizers,
-                "controller": self.controller.state_dict(),
+    def _state(self) -> dict[str, Any]:
+        """Everything a checkpoint holds besides the weights and the optimizer states (the checkpointer's),
+        on every rank: a controller may reduce."""
+        return {"controller": self.controller.state_dict(),
                 "loader": self.loader.state_dict(),
                 "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
                         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
@@ -214,16 +199,7 @@ class Trainer:
                 "world": self.dist.world}
 
     def _restore(self, path: Path, state: dict[str, Any]) -> None:
-        if is_sharded(path):  # DCP: each rank reads the pieces it holds, whatever wrote them
-            qdist.load_sharded(path / DCP_DIR, self.model, self.optimizers)
-        elif self.sharded:  # every rank reads the consolidated checkpoint and keeps its shards
-            whole = self._cpu_model()
-            load_weights(path, whole)
-            qdist.load_full(self.model, self.optimizers, whole.state_dict(), state["optimizers"])
-        else:
-            load_weights(path, self.model)
-            for opt, sd in zip(self.optimizers, state["optimizers"], strict=True):
-                opt.load_state_dict(qdist.to_index(sd, opt))  # an FSDP run's state is keyed by name
+        self.checkpointer.restore(path, state)  # weights and optimizer states, whatever wrote them
         self.controller.load_state_dict(state["controller"])
         self.loader.load_state_dict(state["loader"])
         rng = state["rng"]
@@ -245,73 +221,18 @@ class Trainer:
         return whole
 
     def _diagnose(self) -> dict[str, Any]:
-        """Attention diagnostics of the current weights. FSDP2: measured on rank 0 on a whole copy
-        gathered from the shards, so the numbers are those of one process ({} on the other ranks)."""
-        if not self.sharded:
-            return self.monitor.measure(self.model, self.step)
-        weights = qdist.full_state(self.model, [])[0]
-        if not self.dist.is_main:
-            return {}
-        whole = self._cpu_model()
-        whole.load_state_dict(weights)
-        return self.monitor.measure(whole.to(self.device), self.step)
+        """Attention diagnostics of the current weights, measured on the model as one process holds it
+        (FSDP2: a whole copy gathered on rank 0), so the numbers are those of one process ({} elsewhere)."""
+        whole, _ = self.parallel.full_state([])
+        return {} if whole is None else self.monitor.measure(whole.to(self.device), self.step)
 
     def save(self) -> Path:
         self.flush()  # a non-finite step since the last flush ends the run before anything is saved
-        params = list(self.model.parameters())
-        finite = qdist.all_finite(params, self.dist) if self.sharded else \
-            all(bool(torch.isfinite(p).all()) for p in params)
-        if not finite:  # keep the last good one
+        if not self.parallel.all_finite(list(self.model.parameters())):  # keep the last good one
             self.metrics.log(self.step, event="nonfinite_weights")
             raise NonFiniteError(f"weights are non-finite at step {self.step}; no checkpoint written, the last good "
-                                 f"one is {latest_checkpoint(self.ckpt_dir) or 'none'}")
-        if self.ckpt_sharded:  # DCP: every rank writes its shards into rank 0's staging folder
-            return self._save_sharded()
-        path, failed, model, state = self.ckpt_dir / f"step_{self.step:07d}", None, self.model, None
-        if self.sharded:  # gathered into full CPU tensors on rank 0: one consolidated checkpoint
-            weights, optim = qdist.full_state(self.model, self.optimizers)
-            state = self._state(optim)  # on every rank: a controller may reduce
-            if self.dist.is_main:
-                model = self._cpu_model()
-                model.load_state_dict(weights)
-        if self.dist.is_main:  # DDP: the weights and optimizer state are the same on every rank
-            try:
-                path = save_checkpoint(self.ckpt_dir, self.step, model, state or self._state(),
-                                       keep=self.cfg.train.keep_ckpts)
-            except BaseException as e:
-                failed = e
-        self.dist.agree(failed)  # every rank stops when the write failed (e.g. a full disk)
-        if failed is not None:
-            raise failed
-        self._saved_at = self.step
-        return path
-
-    @property
-    def ckpt_sharded(self) -> bool:
-        """Checkpoints as DCP shards: train.ckpt_format=sharded, or auto under FSDP2 on 2+ processes."""
-        fmt = self.cfg.train.ckpt_format
-        return fmt == "sharded" or (fmt == "auto" and self.sharded)
-
-    def _save_sharded(self) -> Path:
-        state = self._state(None)  # the optimizers' states are in the shards
-        staged = self.dist.broadcast(new_staging_dir(self.ckpt_dir, self.step) if self.dist.is_main else None)
-        path, failed = self.ckpt_dir / f"step_{self.step:07d}", None
-        try:
-            qdist.save_sharded(staged / DCP_DIR, self.model, self.optimizers)  # a collective
-        except BaseException as e:
-            failed = e
-        if self.dist.is_main:
-            try:
-                if failed is not None:
-                    shutil.rmtree(staged, ignore_errors=True)
-                else:
-                    path = save_checkpoint(self.ckpt_dir, self.step, None, state, keep=self.cfg.train.keep_ckpts,
-                                           staged=staged)
-            except BaseException as e:
-                failed = e
-        self.dist.agree(failed, "failed to write its checkpoint")
-        if failed is not None:
-            raise failed
+                                 f"one is {self.checkpointer.latest() or 'none'}")
+        path = self.checkpointer.save(self.step, self._state())
         self._saved_at = self.step
         return path
 
@@ -326,18 +247,13 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float64, device=self.device)  # summed on the device: no host sync
         for i in range(t.grad_accum):
             x, y = self.loader.next_batch()
-            with self._accumulating(i < t.grad_accum - 1):
+            with self.parallel.accumulating(i < t.grad_accum - 1):
                 with self.autocast():
                     _, loss = self.fwd(x.to(self.device), y.to(self.device))
                 (loss / t.grad_accum).backward()
             total += loss.detach().double()  # float64, as the Python floats it replaces
         params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-        if self.sharded:  # the whole (unsharded) parameters' gradients are averaged here, FSDP's in backward
-            qdist.sync_replicated_grads(params, self.dist)
-            gnorm = qdist.clip_grad_norm(params, max_norm, self.dist)
-        else:
-            gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        gnorm = self.parallel.clip(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
         mean = self.dist.reduce(total / t.grad_accum) / self.dist.world  # every rank decides on the same loss
         gnorm = gnorm.detach().double()
         apply = True  # stop: a non-finite step is found at the next flush, before anything is saved
@@ -377,14 +293,6 @@ class Trainer:
                 self._note(f"step {s}: loss spike {loss:.3f}, {spike['sigmas']:.1f} sigma above the window")
         return out
 
-    def _accumulating(self, more: bool):
-        """DDP, FSDP2: no gradient reduction on the micro-batches before the last of a step."""
-        if self.sharded:
-            qdist.set_grad_sync(self.model, not more)
-        if more and self.wrapped is not self.model and hasattr(self.wrapped, "no_sync"):
-            return self.wrapped.no_sync()
-        return contextlib.nullcontext()
-
     def _nonfinite(self, loss: float, gnorm: float, step: int) -> None:
         what = "loss" if not math.isfinite(loss) else "gradient"
         policy = self.cfg.train.nonfinite
@@ -392,7 +300,7 @@ class Trainer:
         if policy == "stop":
             raise NonFiniteError(f"non-finite {what} at step {step} (loss {loss}, grad norm {gnorm}); stopped, and "
                                  "no weights of that step or later were saved (train.nonfinite=stop). Last good "
-                                 f"checkpoint: {latest_checkpoint(self.ckpt_dir) or 'none'}; lower train.lr or set "
+                                 f"checkpoint: {self.checkpointer.latest() or 'none'}; lower train.lr or set "
                                  "train.nonfinite=skip, then continue with --resume")
         self.log(f"step {step}: non-finite {what}; step skipped (train.nonfinite=skip)")
 
