@@ -67,7 +67,7 @@ def test_cli_exit_code_2_one_line(capsys):
 
 
 def test_cli_subprocess_no_traceback():
-    r = subprocess.run([sys.executable, "-m", "qklab.cli", "train", "--set", "qk.method=nope"],
+    r = subprocess.run([sys.executable, "-m", "qklab", "train", "--set", "qk.method=nope"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and "qk.method='nope' is unknown" in r.stderr
@@ -132,3 +132,55 @@ def test_resume_changes_name_only_keys_that_may_not_change():
     c = comparable(load_config("tiny", ["qk.method=softcap"]))
     assert resume_changes(c, b) == ["qk.softcap.cap 50.0 -> 20.0"]  # a method option counts too
     assert resume_changes({"train": {"steps": 1}}, b) == []  # keys a run did not save are not compared
+
+
+def test_choices_come_from_the_field_types():
+    """A choice field is a Literal: a value outside it is one line listing the choices, also when the
+    config is built in code; a value of another type is a type error."""
+    import typing
+
+    from qklab.config import ModelConfig, RunConfig, TrainConfig
+
+    hints = {sec: typing.get_type_hints(cls) for sec, cls in (("model", ModelConfig), ("train", TrainConfig))}
+    choices = {f"{sec}.{k}": typing.get_args(tp) for sec, h in hints.items() for k, tp in h.items()
+               if typing.get_origin(tp) is typing.Literal}
+    assert {"model.attn_impl", "model.attention", "model.rope_scaling", "train.optimizer", "train.schedule",
+            "train.dtype", "train.device", "train.nonfinite", "train.parallel", "train.ckpt_format"} <= set(choices)
+    needs = {"yarn": ["model.yarn_factor=2"]}  # choices that need another key set
+    for key, allowed in choices.items():
+        for ok in allowed:
+            load_config("tiny", [f"{key}={ok}", *needs.get(ok, [])])
+        with pytest.raises(ConfigError) as e:
+            load_config("tiny", [f"{key}=bogus"])
+        assert str(e.value) == f"{key}='bogus': use {', '.join(allowed[:-1])} or {allowed[-1]}"
+    assert "train.optimizer='sgd': use adamw or muon" in _error(["train.optimizer=sgd"])
+    assert "train.device='tpu': use auto, cpu or cuda" in _error(["train.device=tpu"])
+    assert _error(["train.optimizer=1"]) == "'train.optimizer' must be str, got int 1"
+    assert _error(["train.trackers=['x']"]) == ("train.trackers=['x']: use a list of distinct names from "
+                                               "tensorboard, wandb")
+    with pytest.raises(ConfigError, match="train.dtype='fp16': use fp32 or bf16"):
+        RunConfig(train=TrainConfig(dtype="fp16")).validate()  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="model.d_model=0 is out of range: it must be > 0"):
+        RunConfig(model=ModelConfig(d_model=0)).validate()
+
+
+def _error(overrides: list[str]) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", overrides)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_neutral_and_resumable_keys_come_from_the_fields():
+    """The keys a study cell's hash leaves out and the keys a resume may change, as the fields' metadata
+    says: pinned, since a change to either moves every committed cell hash or what --resume accepts."""
+    from qklab.config import NEUTRAL, RESUMABLE
+
+    assert NEUTRAL == {"train.out_dir", "train.name", "train.progress", "train.threads", "train.ckpt_format",
+                       "data.cache_dir"}
+    assert RESUMABLE == {
+        "preset", "train.name", "train.out_dir", "train.steps", "train.log_every", "train.eval_every",
+        "train.eval_batches", "train.ckpt_every", "train.keep_ckpts", "train.progress", "train.threads",
+        "train.device", "train.compile", "train.diag_every", "train.diag_batch", "train.nonfinite",
+        "train.skip_limit", "train.lr", "train.grad_clip", "data.cache_dir", "train.trackers", "train.parallel",
+        "train.ckpt_format"}

@@ -2,11 +2,16 @@
 
 Every mistake a user can make in a config (unknown key, wrong type, impossible shape, unknown method,
 missing data) raises ``ConfigError`` with one line that names the key and says how to fix it.
+
+What is known about a key sits on its field: a ``typing.Literal`` type lists its choices, and the
+field's metadata (see ``_key``) its valid range, whether it is neutral (does not change what a run
+computes: a study's cell hash leaves it out) and whether it is resumable (may change on resume).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import tomllib
@@ -16,14 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from qklab.data import DataConfig, DataError
+from qklab.errors import ConfigError
 from qklab.methods import CONTROLLERS, METHODS, AttnShape
-
-
-class ConfigError(ValueError):
-    """A user mistake in a config; the message is one line, printed without a traceback."""
 
 
 class MLADims(typing.NamedTuple):
@@ -34,45 +36,64 @@ class MLADims(typing.NamedTuple):
     v: int
 
 
+Range = tuple[Callable[[Any], bool], str]  # (is the value valid, what a valid value is: "> 0, e.g. 3e-3")
+
+
+def _between(lo: float, hi: float, hi_open: bool = False, note: str = "") -> Range:
+    text = f"in [{lo}, {hi}{')' if hi_open else ']'}{note}"
+    return (lambda v: lo <= v < hi) if hi_open else (lambda v: lo <= v <= hi), text
+
+
+def _at_least(lo: float, note: str = "") -> Range:
+    return (lambda v: v >= lo), f">= {lo}{note}"
+
+
+def _above(lo: float, note: str = "") -> Range:
+    return (lambda v: v > lo), f"> {lo}{note}"
+
+
+def _key(default: Any = dataclasses.MISSING, rng: Range | None = None, *, factory: Any = dataclasses.MISSING,
+         neutral: bool = False, resumable: bool = False) -> Any:
+    """A config field and what is known about it, in its metadata:
+    range: (check, text), the valid values (types are checked on loading, non-finite floats refused);
+    neutral: does not change what a run computes (where it writes, how it shows progress, its threads);
+    resumable: may differ between a run and its resumption (see ``RESUMABLE``)."""
+    meta = {k: v for k, v in (("range", rng), ("neutral", neutral), ("resumable", resumable)) if v}
+    return field(default=default, default_factory=factory, metadata=meta)
+
+
+_MLA_WIDTH = _at_least(0, " (0: the default)")
+
+
 @dataclass
 class ModelConfig:
-    vocab_size: int = 0  # 0: taken from the tokenizer
-    d_model: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 0  # 0: same as n_heads (MHA); fewer: GQA
-    d_ff: int = 0  # SwiGLU hidden width; 0: 8/3 * d_model rounded up to a multiple of 64
-    max_seq_len: int = 1024  # RoPE tables and the KV cache are sized from this
-    rope_theta: float = 10000.0
+    vocab_size: int = _key(0, _at_least(0, " (0: the tokenizer's vocabulary)"))  # 0: taken from the tokenizer
+    d_model: int = _key(256, _above(0))
+    n_layers: int = _key(4, _above(0))
+    n_heads: int = _key(4, _above(0))
+    n_kv_heads: int = _key(0, _at_least(0, " (0: same as n_heads)"))  # 0: same as n_heads (MHA); fewer: GQA
+    d_ff: int = _key(0, _at_least(0, " (0: 8/3 * d_model)"))  # SwiGLU width; 0: 8/3 * d_model rounded up to 64s
+    max_seq_len: int = _key(1024, _above(1))  # RoPE tables and the KV cache are sized from this
+    rope_theta: float = _key(10000.0, _above(0, ", e.g. 10000"))
     tie_embeddings: bool = True
-    norm_eps: float = 1e-6
-    init_std: float = 0.02
-    qk_init_std: float = 0.0  # std of W_Q/W_K for every QK method (a fair comparison); 0: the method's own rule
-    attn_impl: str = "auto"  # auto | sdpa | eager
-    attention: str = "mha"  # mha (MHA/GQA, see n_kv_heads) | mla (multi-head latent attention, docs/mla.md)
-    q_rank: int = 0  # MLA query latent width; 0: no query latent (queries straight from x)
-    kv_rank: int = 0  # MLA key/value latent width; 0: 2 * head_dim
-    nope_dim: int = 0  # MLA per-head q/k width without RoPE; 0: head_dim
-    rope_dim: int = 0  # MLA per-head q/k width with RoPE (also the shared rope key's width); 0: head_dim // 2
-    v_dim: int = 0  # MLA per-head value width; 0: head_dim
-    rope_scaling: str = "none"  # none | yarn (YaRN context extension, as DeepSeek-V2/V3; qklab.model.rope.Yarn)
+    norm_eps: float = _key(1e-6, _above(0, ", e.g. 1e-6"))
+    init_std: float = _key(0.02, _above(0, ", e.g. 0.02"))
+    # std of W_Q/W_K for every QK method (a fair comparison); 0: the method's own rule
+    qk_init_std: float = _key(0.0, _at_least(0, " (0: the QK method's own init rule), e.g. 1/sqrt(d_model)"))
+    attn_impl: Literal["auto", "sdpa", "eager"] = "auto"
+    attention: Literal["mha", "mla"] = "mha"  # mha (MHA/GQA, see n_kv_heads) | mla (latent attention, docs/mla.md)
+    q_rank: int = _key(0, _MLA_WIDTH)  # MLA query latent width; 0: no query latent (queries from x)
+    kv_rank: int = _key(0, _MLA_WIDTH)  # MLA key/value latent width; 0: 2 * head_dim
+    nope_dim: int = _key(0, _MLA_WIDTH)  # MLA per-head q/k width without RoPE; 0: head_dim
+    rope_dim: int = _key(0, _MLA_WIDTH)  # MLA per-head q/k width with RoPE (= the shared rope key's); 0: head_dim // 2
+    v_dim: int = _key(0, _MLA_WIDTH)  # MLA per-head value width; 0: head_dim
+    rope_scaling: Literal["none", "yarn"] = "none"  # yarn: YaRN context extension, as DeepSeek-V2/V3 (rope.Yarn)
     yarn_factor: float = 1.0  # YaRN: context extension factor (> 1)
     yarn_original_max_len: int = 0  # YaRN: the context the frequencies were made for; 0: max_seq_len / yarn_factor
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
     yarn_mscale: float = 0.0  # 0: unset (see Yarn)
     yarn_mscale_all_dim: float = 0.0  # 0: unset; else MLA's softmax scale gets mscale(factor, this)^2
-
-    @property
-    def yarn(self):
-        """The YaRN settings (``qklab.model.rope.Yarn``), or None without rope scaling."""
-        if self.rope_scaling != "yarn":
-            return None
-        from qklab.model.rope import Yarn
-
-        orig = self.yarn_original_max_len or int(self.max_seq_len / self.yarn_factor)
-        return Yarn(self.yarn_factor, orig, self.yarn_beta_fast, self.yarn_beta_slow, self.yarn_mscale,
-                    self.yarn_mscale_all_dim)
 
     @property
     def mla_dims(self) -> MLADims:
@@ -106,45 +127,54 @@ class QKConfig:
         return self.options.get(name) or cls()
 
 
+Tracker = Literal["tensorboard", "wandb"]  # train.trackers: also log to these (wandb offline)
+
+
 @dataclass
 class TrainConfig:
-    name: str = ""  # run directory name under out_dir; "" -> derived from preset, method and seed
-    out_dir: str = "runs"
-    seed: int = 0
+    # resumable: may differ between a run and its resumption: its length, how often it logs, evaluates and
+    # saves, where and on what it runs, and the remedies a non-finite stop suggests (lr, clipping, skipping)
+    name: str = _key("", neutral=True, resumable=True)  # run folder name under out_dir; "": from preset, method, seed
+    out_dir: str = _key("runs", neutral=True, resumable=True)
+    seed: int = _key(0, (lambda v: 0 <= v <= 2**32 - 1, "from 0 to 2**32 - 1"))
     data_seed: int = -1  # order of the training batches; -1: train.seed (a study fixes it across cells)
-    trackers: list[str] = field(default_factory=list)  # also log to: "tensorboard", "wandb" (offline)
-    steps: int = 200
-    batch_size: int = 16
-    seq_len: int = 256
-    grad_accum: int = 1
-    optimizer: str = "adamw"  # adamw | muon
-    lr: float = 3e-3  # peak lr (Muon: for the hidden matrices)
-    adam_lr: float = 0.0  # Muon only: lr of the AdamW groups (embeddings, head, gains); 0 -> lr
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    muon_momentum: float = 0.95
-    schedule: str = "cosine"  # cosine | constant (both after a linear warmup)
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0  # 0: off
-    eval_every: int = 50
-    eval_batches: int = 8
-    ckpt_every: int = 100  # 0: only at the end
-    keep_ckpts: int = 2
-    log_every: int = 10
-    dtype: str = "fp32"  # fp32 | bf16 (autocast; for GPUs)
-    compile: bool = False
-    device: str = "auto"  # auto | cpu | cuda
-    threads: int = 0  # torch intra-op threads; 0: leave torch's default
-    progress: bool = True
-    diag_every: int = 50  # attention diagnostics on a fixed held-out batch every N steps; 0: off (no cost)
-    diag_batch: int = 4  # sequences (of seq_len tokens) in the diagnostics probe batch
-    nonfinite: str = "stop"  # non-finite loss or gradient: stop (end the run) | skip (do not apply the step)
-    skip_limit: float = 0.1  # nonfinite=skip: a run that skips more than this share of its steps fails (exit 1)
-    parallel: str = "none"  # none | ddp | fsdp: data parallel over the processes torchrun starts (qklab.parallel)
-    ckpt_format: str = "auto"  # full (safetensors, gathered on rank 0) | sharded (DCP, each rank its shards) | auto:
-    # sharded under FSDP2 on 2+ processes, else full; either kind resumes on any number of processes
+    trackers: list[Tracker] = _key(factory=list, resumable=True)
+    steps: int = _key(200, _above(0), resumable=True)
+    batch_size: int = _key(16, _above(0))
+    seq_len: int = _key(256, _above(1))
+    grad_accum: int = _key(1, _above(0))
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    lr: float = _key(3e-3, _above(0, ", e.g. 3e-3"), resumable=True)  # peak lr (Muon: for the hidden matrices)
+    adam_lr: float = _key(0.0, _at_least(0, " (0: train.lr)"))  # Muon only: of the AdamW groups (embeddings, head)
+    weight_decay: float = _key(0.1, _at_least(0))
+    beta1: float = _key(0.9, _between(0, 1, hi_open=True, note=", e.g. 0.9"))
+    beta2: float = _key(0.95, _between(0, 1, hi_open=True, note=", e.g. 0.95"))
+    muon_momentum: float = _key(0.95, _between(0, 1, hi_open=True, note=", e.g. 0.95"))
+    schedule: Literal["cosine", "constant"] = "cosine"  # both after a linear warmup
+    warmup_steps: int = _key(20, _at_least(0))
+    min_lr_ratio: float = _key(0.1, _between(0, 1))
+    grad_clip: float = _key(1.0, _at_least(0, " (0: off)"), resumable=True)
+    eval_every: int = _key(50, _above(0, " (steps between evaluations)"), resumable=True)
+    eval_batches: int = _key(8, _above(0), resumable=True)
+    ckpt_every: int = _key(100, _at_least(0, " (0: only at the end)"), resumable=True)
+    keep_ckpts: int = _key(2, _above(0), resumable=True)
+    log_every: int = _key(10, _above(0, " (steps between metric records)"), resumable=True)
+    dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast, for GPUs
+    compile: bool = _key(False, resumable=True)
+    device: Literal["auto", "cpu", "cuda"] = _key("auto", resumable=True)
+    threads: int = _key(0, _at_least(0, " (0: torch's default)"), neutral=True, resumable=True)  # torch intra-op
+    progress: bool = _key(True, neutral=True, resumable=True)
+    diag_every: int = _key(50, _at_least(0, " (0: off)"), resumable=True)  # attention diagnostics (fixed batch)
+    diag_batch: int = _key(4, _above(0), resumable=True)  # sequences (of seq_len tokens) in the diagnostics batch
+    nonfinite: Literal["stop", "skip"] = _key("stop", resumable=True)  # on a non-finite loss or gradient: end
+    # the run, or do not apply the step; with skip, a run that skips more than skip_limit of its steps fails
+    skip_limit: float = _key(0.1, _between(0, 1, note=", e.g. 0.1"), resumable=True)
+    # data parallel over the processes torchrun starts (qklab.parallel); the same global batch on another
+    # number of processes continues the same run
+    parallel: Literal["none", "ddp", "fsdp"] = _key("none", resumable=True)
+    # full (safetensors, gathered on rank 0) | sharded (DCP, each rank its shards) | auto: sharded under
+    # FSDP2 on 2+ processes, else full; either kind resumes on any number of processes, as the other
+    ckpt_format: Literal["auto", "full", "sharded"] = _key("auto", neutral=True, resumable=True)
 
 
 @dataclass
@@ -153,26 +183,22 @@ class RunConfig:
     qk: QKConfig = field(default_factory=QKConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    preset: str = ""
+    preset: str = _key("", resumable=True)
 
     def validate(self) -> RunConfig:
         m, t, q = self.model, self.train, self.qk
-        for key, ok, want in _RANGES:
-            value = getattr(getattr(self, key.split(".")[0]), key.split(".")[1])
-            _check(ok(value), f"{key}={value!r} is out of range: it must be {want}")
+        for section in ("model", "train"):
+            _check_fields(section, getattr(self, section))
         check_run_name(t.name, "train.name", allow_empty=True)
         _check(m.d_model % m.n_heads == 0,
                f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}; pick heads that divide the width")
         _check(m.head_dim % 2 == 0, f"head dim {m.head_dim} must be even for RoPE; change model.n_heads or d_model")
         _check(m.n_kv_heads >= 0 and m.n_heads % m.kv_heads == 0,
                f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} (GQA groups)")
-        _check(m.attn_impl in ("auto", "sdpa", "eager"), f"model.attn_impl='{m.attn_impl}': use auto, sdpa or eager")
-        _check(m.attention in ("mha", "mla"), f"model.attention='{m.attention}': use mha or mla")
         if m.attention == "mla":
             _check(m.mla_dims.rope > 0 and m.mla_dims.rope % 2 == 0,
                    f"MLA rope width {m.mla_dims.rope} must be even and > 0; set model.rope_dim")
             _check(m.n_kv_heads == 0, "model.n_kv_heads is for attention=mha (GQA); leave it 0 with attention=mla")
-        _check(m.rope_scaling in ("none", "yarn"), f"model.rope_scaling='{m.rope_scaling}': use none or yarn")
         if m.rope_scaling == "yarn":
             _check(m.yarn_factor > 1 and m.yarn_original_max_len >= 0 and m.yarn_beta_fast > m.yarn_beta_slow > 0,
                    "YaRN needs model.yarn_factor > 1, yarn_original_max_len >= 0, yarn_beta_fast > yarn_beta_slow > 0")
@@ -193,19 +219,12 @@ class RunConfig:
             CONTROLLERS[q.controller].check_method(method, q.opts(q.controller))  # e.g. QK-clip on QK-Norm
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        _check(t.optimizer in ("adamw", "muon"), f"train.optimizer='{t.optimizer}': use adamw or muon")
-        _check(t.schedule in ("cosine", "constant"), f"train.schedule='{t.schedule}': use cosine or constant")
-        _check(t.dtype in ("fp32", "bf16"), f"train.dtype='{t.dtype}': use fp32 or bf16")
-        _check(t.device in ("auto", "cpu", "cuda"), f"train.device='{t.device}': use auto, cpu or cuda")
         _check(t.seq_len <= m.max_seq_len,
                f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise max_seq_len")
-        _check(all(x in ("tensorboard", "wandb") for x in t.trackers) and len(set(t.trackers)) == len(t.trackers),
-               f"train.trackers={t.trackers}: use a list of distinct names from tensorboard, wandb")
+        trackers = typing.get_args(Tracker)
+        _check(all(x in trackers for x in t.trackers) and len(set(t.trackers)) == len(t.trackers),
+               f"train.trackers={t.trackers}: use a list of distinct names from {', '.join(trackers)}")
         _check(t.data_seed >= -1, f"train.data_seed={t.data_seed}: use -1 (follow train.seed) or a seed >= 0")
-        _check(t.nonfinite in ("stop", "skip"), f"train.nonfinite='{t.nonfinite}': use stop or skip")
-        _check(t.parallel in ("none", "ddp", "fsdp"), f"train.parallel='{t.parallel}': use none, ddp or fsdp")
-        _check(t.ckpt_format in ("auto", "full", "sharded"),
-               f"train.ckpt_format='{t.ckpt_format}': use auto, full or sharded")
         try:
             self.data.validate()
         except DataError as e:
@@ -221,57 +240,24 @@ def _check(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def _between(lo: float, hi: float, hi_open: bool = False) -> Callable[[Any], bool]:
-    return lambda v: lo <= v < hi if hi_open else lo <= v <= hi
+def _check_fields(section: str, obj: Any) -> None:
+    """Each field's range (its metadata) and choices (its Literal type): ``model.d_model=0 is out of range:
+    it must be > 0``, ``train.optimizer='sgd': use adamw or muon``."""
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{section}.{f.name}"
+        if "range" in f.metadata:
+            ok, want = f.metadata["range"]
+            _check(ok(value), f"{key}={value!r} is out of range: it must be {want}")
+        if typing.get_origin(hints[f.name]) is Literal:
+            *rest, last = choices = typing.get_args(hints[f.name])
+            _check(value in choices, f"{key}={value!r}: use {', '.join(rest)} or {last}")
 
 
-def _at_least(lo: float) -> Callable[[Any], bool]:
-    return lambda v: v >= lo
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
-
-def _above(lo: float) -> Callable[[Any], bool]:
-    return lambda v: v > lo
-
-
-# every numeric key and what a valid value is (types are checked on loading, non-finite floats refused)
-_RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
-    ("model.vocab_size", _at_least(0), ">= 0 (0: the tokenizer's vocabulary)"),
-    ("model.d_model", _above(0), "> 0"),
-    ("model.n_layers", _above(0), "> 0"),
-    ("model.n_heads", _above(0), "> 0"),
-    ("model.n_kv_heads", _at_least(0), ">= 0 (0: same as n_heads)"),
-    ("model.d_ff", _at_least(0), ">= 0 (0: 8/3 * d_model)"),
-    ("model.max_seq_len", _above(1), "> 1"),
-    ("model.rope_theta", _above(0), "> 0, e.g. 10000"),
-    ("model.norm_eps", _above(0), "> 0, e.g. 1e-6"),
-    ("model.init_std", _above(0), "> 0, e.g. 0.02"),
-    ("model.qk_init_std", _at_least(0), ">= 0 (0: the QK method's own init rule), e.g. 1/sqrt(d_model)"),
-    *((f"model.{k}", _at_least(0), ">= 0 (0: the default)")
-      for k in ("q_rank", "kv_rank", "nope_dim", "rope_dim", "v_dim")),
-    ("train.seed", _between(0, 2**32 - 1), "from 0 to 2**32 - 1"),
-    ("train.steps", _above(0), "> 0"),
-    ("train.batch_size", _above(0), "> 0"),
-    ("train.seq_len", _above(1), "> 1"),
-    ("train.grad_accum", _above(0), "> 0"),
-    ("train.lr", _above(0), "> 0, e.g. 3e-3"),
-    ("train.adam_lr", _at_least(0), ">= 0 (0: train.lr)"),
-    ("train.weight_decay", _at_least(0), ">= 0"),
-    ("train.beta1", _between(0, 1, hi_open=True), "in [0, 1), e.g. 0.9"),
-    ("train.beta2", _between(0, 1, hi_open=True), "in [0, 1), e.g. 0.95"),
-    ("train.muon_momentum", _between(0, 1, hi_open=True), "in [0, 1), e.g. 0.95"),
-    ("train.warmup_steps", _at_least(0), ">= 0"),
-    ("train.min_lr_ratio", _between(0, 1), "in [0, 1]"),
-    ("train.grad_clip", _at_least(0), ">= 0 (0: off)"),
-    ("train.eval_every", _above(0), "> 0 (steps between evaluations)"),
-    ("train.eval_batches", _above(0), "> 0"),
-    ("train.ckpt_every", _at_least(0), ">= 0 (0: only at the end)"),
-    ("train.keep_ckpts", _above(0), "> 0"),
-    ("train.log_every", _above(0), "> 0 (steps between metric records)"),
-    ("train.threads", _at_least(0), ">= 0 (0: torch's default)"),
-    ("train.diag_every", _at_least(0), ">= 0 (0: off)"),
-    ("train.diag_batch", _above(0), "> 0"),
-    ("train.skip_limit", _between(0, 1), "in [0, 1], e.g. 0.1"),
-]
 
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]{0,127}")
 
@@ -285,16 +271,24 @@ def check_run_name(name: str, key: str = "train.name", allow_empty: bool = False
     return name
 
 
-# keys that may differ between a run and its resumption: its length, how often it logs, evaluates and
-# saves, where and on what it runs, and the remedies a non-finite stop suggests (lr, clipping, skipping)
-RESUMABLE = frozenset({
-    "preset", "train.name", "train.out_dir", "train.steps", "train.log_every", "train.eval_every",
-    "train.eval_batches", "train.ckpt_every", "train.keep_ckpts", "train.progress", "train.threads",
-    "train.device", "train.compile", "train.diag_every", "train.diag_batch", "train.nonfinite",
-    "train.skip_limit", "train.lr", "train.grad_clip", "data.cache_dir", "train.trackers",
-    "train.parallel",  # the same global batch on another number of processes continues the same run
-    "train.ckpt_format",  # either kind of checkpoint resumes as the other
-})
+# DataConfig lives in qklab.data (its own validation): what the study and resume logic know of its keys
+_DATA_FLAGS = {"cache_dir": ("neutral", "resumable")}
+
+
+def _keys_with(flag: str) -> frozenset[str]:
+    """The dotted keys (``train.steps``, ``preset``) whose field metadata sets ``flag``."""
+    out = {f"data.{k}" for k, flags in _DATA_FLAGS.items() if flag in flags}
+    for f in dataclasses.fields(RunConfig):
+        sub = _hints(RunConfig)[f.name]
+        if dataclasses.is_dataclass(sub):
+            out |= {f"{f.name}.{g.name}" for g in dataclasses.fields(sub) if g.metadata.get(flag)}
+        elif f.metadata.get(flag):
+            out.add(f.name)
+    return frozenset(out)
+
+
+NEUTRAL = _keys_with("neutral")  # do not change what a run computes: left out of a study cell's hash
+RESUMABLE = _keys_with("resumable")  # may differ between a run and its resumption (resume_changes)
 
 
 def comparable(cfg: RunConfig) -> dict[str, Any]:
@@ -356,20 +350,24 @@ def preset_names() -> list[str]:
 
 
 def load_config(spec: str | None = None, overrides: list[str] | None = None) -> RunConfig:
-    raw: dict[str, Any] = {}
-    if spec:
-        path = resolve_preset(spec)
-        try:
-            raw = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: invalid TOML ({e})") from None
-        raw.setdefault("preset", path.stem)
+    raw = read_preset(spec) if spec else {}
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set '{item}' must look like key=value, e.g. --set train.lr=1e-3")
-        _set_path(raw, key.strip().split("."), _parse_value(value.strip()))
+        set_key(raw, key.strip(), _parse_value(value.strip()))
     return from_dict(RunConfig, raw).validate()
+
+
+def read_preset(spec: str) -> dict[str, Any]:
+    """A preset (name or TOML path) as the raw nested dict ``from_dict`` reads, ``preset`` set to its stem."""
+    path = resolve_preset(spec)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML ({e})") from None
+    raw.setdefault("preset", path.stem)
+    return raw
 
 
 def _parse_value(text: str) -> Any:
@@ -379,11 +377,13 @@ def _parse_value(text: str) -> Any:
         return text  # a bare word is a string: --set qk.method=qknorm
 
 
-def _set_path(d: dict[str, Any], keys: list[str], value: Any) -> None:
+def set_key(d: dict[str, Any], key: str, value: Any) -> None:
+    """Set dotted ``key`` (``train.lr``, ``qk.softcap.cap``) in a raw nested config dict."""
+    keys = key.split(".")
     for k in keys[:-1]:
         nxt = d.setdefault(k, {})
         if not isinstance(nxt, dict):
-            raise ConfigError(f"--set {'.'.join(keys)}: '{k}' is a value, not a section")
+            raise ConfigError(f"--set {key}: '{k}' is a value, not a section")
         d = nxt
     d[keys[-1]] = value
 
@@ -392,7 +392,7 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     """Build dataclass ``cls`` from a nested dict, checking keys and types."""
     if not isinstance(data, dict):
         raise ConfigError(f"'{prefix.rstrip('.')}' must be a section (table), got {data!r}")
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
@@ -415,6 +415,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, key + ".")
     origin = typing.get_origin(tp)
+    if origin is Literal:  # a choice: here its type (str), its value in validate (``_check_fields``)
+        tp, origin = type(typing.get_args(tp)[0]), None
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:

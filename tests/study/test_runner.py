@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
+from qklab.cli.sweep import sweep_study
 from qklab.config import ConfigError
 from qklab.data import prepare_data
 from qklab.study.result import read_result
 from qklab.study.runner import run_study
 from qklab.study.spec import parse_study
-from qklab.sweep import sweep_study
 
 COMMON = {"train.steps": 40, "train.lr": 1e-2, "train.eval_every": 20, "train.ckpt_every": 20,
           "train.diag_every": 20, "data.max_files": 20}
@@ -45,7 +45,7 @@ def test_cells_recorded_and_rerun_skips(tmp_path):
     log = (out / "logs" / "bad_lr1_s0.log").read_text()
     assert r["bad"]["log"].endswith("bad_lr1_s0.log") and "Traceback" in log
     # the data override: the cell's corpus is its own config's, not the first cell's
-    more_cfg = study.cells[3].config()
+    more_cfg = study.cells[3].cfg
     assert r["more"]["corpus"]["sha256"] == prepare_data(more_cfg.data, log=lambda s: None).fingerprint["sha256"]
     assert r["more"]["corpus"]["files"] != r["std"]["corpus"]["files"]
     # results are data: the full config, the SHA, curves ending at the last step, per-head summaries
@@ -117,7 +117,7 @@ def test_a_second_run_of_a_running_study_is_refused_and_writes_nothing(tmp_path)
     """The first run holds the study folder's lock; a second run of the same study stops with one line
     naming the holder, before it writes any result (it used to record the first run's cells in flight as
     failed), and runs once the lock is gone."""
-    from qklab.train.runfolder import RunLock
+    from qklab.rundir.folder import RunLock
 
     study = _study(tmp_path, {"std": {"qk.method": "none"}})
     out, res_dir = tmp_path / "runs", tmp_path / "results"
@@ -135,7 +135,7 @@ def test_a_second_run_of_a_running_study_is_refused_and_writes_nothing(tmp_path)
 def test_a_cell_trained_by_another_process_is_busy_not_failed(tmp_path, workers):
     """A cell whose run folder another process holds (a hand-started `qklab train` there) is not run and
     gets no result, failed or other; the study goes on with the rest and a later run trains it."""
-    from qklab.train.runfolder import RunLock
+    from qklab.rundir.folder import RunLock
 
     study = _study(tmp_path, {"a": {"qk.method": "none"}, "b": {"qk.method": "qknorm"}})
     out, res_dir = tmp_path / "runs", tmp_path / "results"
@@ -189,7 +189,7 @@ def test_changed_config_reruns_and_any_exception_is_recorded(tmp_path, monkeypat
 
 def test_same_tokens_in_every_cell(tmp_path):
     study = _study(tmp_path, {"a": {}, "b": {"qk.method": "softcap"}}, seeds=(0, 1))
-    sets = {c.id: c.config().train for c in study.cells}
+    sets = {c.id: c.cfg.train for c in study.cells}
     assert {t.data_seed for t in sets.values()} == {0} and {t.seed for t in sets.values()} == {0, 1}
 
 
@@ -208,9 +208,9 @@ def test_sweep_shorthand_is_a_study(tmp_path):
     s = sweep_study("tiny", ["std:qk.method=none", "cap:qk.method=softcap,qk.softcap.cap=5"], "0,1",
                     tmp_path / "sw", [f"data.cache_dir='{tmp_path}/c'"], lr_mults="0.5,1")
     assert [c.id for c in s.cells][:4] == ["std_lr0.5_s0", "std_lr1_s0", "cap_lr0.5_s0", "cap_lr1_s0"]
-    cap = s.cells[3].config()
+    cap = s.cells[3].cfg
     assert cap.qk.method == "softcap" and cap.qk.opts("softcap").cap == 5.0 and cap.train.lr == 3e-3
-    assert s.cells[2].config().train.lr == pytest.approx(1.5e-3)
+    assert s.cells[2].cfg.train.lr == pytest.approx(1.5e-3)
     with pytest.raises(ConfigError, match="label:key=value"):
         sweep_study("tiny", ["no-colon"], "0", tmp_path, [])
     with pytest.raises(ConfigError, match="--seeds 'a,b'"):
@@ -238,7 +238,7 @@ seeds = [0]
 "data.max_files" = 20
 "data.cache_dir" = "{tmp_path}/cache"
 """ + "".join(f'[variants.{k}]\n"qk.method" = "{m}"\n' for k, m in variants.items()))
-    cmd = [sys.executable, "-m", "qklab.cli", "study", "run", str(study_file), "--out", str(tmp_path / "o"),
+    cmd = [sys.executable, "-m", "qklab", "study", "run", str(study_file), "--out", str(tmp_path / "o"),
            "--workers", "1", "--no-report"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -254,8 +254,8 @@ def test_background_study_ignores_sigint_and_a_stopped_cell_stops_it(tmp_path):
     import signal
     import time
 
-    from qklab.train.metrics import read_metrics
-    from qklab.train.runfolder import LOCK
+    from qklab.rundir.folder import LOCK
+    from qklab.rundir.metrics import read_metrics
 
     proc, _, _ = _study_process(tmp_path, 2000, 1000, {"a": "none", "b": "qknorm"}, signal.SIG_IGN)
     cell = tmp_path / "o" / "cells" / "a_lr1_s0"

@@ -17,13 +17,13 @@ def test_study_file_is_valid(path):
     s = load_study(path)
     assert s.cells and len({c.id for c in s.cells}) == len(s.cells)
     for c in s.cells:
-        cfg = c.config()
+        cfg = c.cfg
         assert cfg.train.seed == c.seed and cfg.train.data_seed == s.protocol.data_seed
 
 
 def test_demo_covers_every_method_family():
     s = load_study(Path(__file__).parents[2] / "studies" / "demo.toml")
-    kinds = {(c.config().model.attention, c.config().qk.method, c.config().qk.controller) for c in s.cells}
+    kinds = {(c.cfg.model.attention, c.cfg.qk.method, c.cfg.qk.controller) for c in s.cells}
     assert kinds == {("mha", m, "none") for m in ("none", "qknorm", "softcap", "qkmap")} | {
         ("mha", "none", c) for c in ("quack", "qkclip", "qk_lr_multiplier")} | {
         ("mla", "none", "none"), ("mla", "qknorm", "none"), ("mla", "none", "quack")}
@@ -36,5 +36,5 @@ def test_grid_table_values_set_several_keys():
            "variants": {"a": {}}}
     s = parse_study(raw, "g")
     assert [c.id for c in s.cells] == ["a_shape64-1_lr0.001_lr1_s0", "a_shape128-2_lr0.001_lr1_s0"]
-    cfg = s.cells[1].config()
+    cfg = s.cells[1].cfg
     assert (cfg.model.d_model, cfg.model.n_heads, cfg.train.lr) == (128, 2, 1e-3)

@@ -17,6 +17,8 @@ an equal share of the CPU threads. Data is prepared once per distinct ``data.*``
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
@@ -30,10 +32,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from qklab.config import ConfigError
+from qklab.config import ConfigError, RunConfig
+from qklab.rundir.folder import RunLock, RunLockError
 from qklab.study.result import build_result, cell_header, failed_result, read_result, write_json_atomic
-from qklab.study.spec import Cell, Study, cell_hash, legacy_cell_hash
-from qklab.train.runfolder import RunLock, RunLockError
+from qklab.study.spec import Cell, Study
 
 DONE = ("ok", "diverged")
 STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # a worker's exit codes after RunInterrupted
@@ -54,9 +56,12 @@ class Outcome:
         return Counter(r["status"] for r in self.results.values())
 
 
-def _cell_cfg(cell: Cell, out: Path, threads: int):
-    return cell.config([f"train.out_dir={str(out / 'cells')!r}", f"train.name={cell.id}",
-                        "train.progress=false", f"train.threads={threads}"])
+def run_config(cell: Cell, out: Path, threads: int) -> RunConfig:
+    """The config a cell trains with: its own, in its run folder ``<out>/cells/<id>``, quiet, on ``threads``
+    threads (neutral keys: it still has the cell's hash). A copy: the trainer fills in the vocabulary size."""
+    cfg = copy.deepcopy(cell.cfg)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(out / "cells"), name=cell.id,
+                                                              progress=False, threads=threads))
 
 
 def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, probe: int) -> dict[str, Any]:
@@ -64,22 +69,21 @@ def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, pro
     probe: 0 none; N > 0 attention probes up to N training lengths of context after training."""
     from qklab.data import prepare_data, unigram_entropy
     from qklab.diagnostics.stability import NonFiniteError
-    from qklab.train.checkpoint import latest_checkpoint
-    from qklab.train.metrics import read_metrics
+    from qklab.rundir.checkpoint import latest_checkpoint
+    from qklab.rundir.metrics import read_metrics
     from qklab.train.signals import RunInterrupted
     from qklab.train.trainer import Trainer
 
     log_path = out / "logs" / f"{cell.id}.log"
     header = cell_header(cell, study, log_path)
-    t0, cpu0, chash = time.time(), _cpu_seconds(), None
+    t0, cpu0, chash = time.time(), _cpu_seconds(), cell.hash
     try:
-        cfg = _cell_cfg(cell, out, threads)
-        chash = cell_hash(cfg)
+        cfg = run_config(cell, out, threads)
         run_dir = Path(cfg.train.out_dir) / cfg.train.name
         mark = run_dir / "cell.json"  # the config hash the run folder was started with
         started = read_result(mark) or {}
         resume = latest_checkpoint(run_dir / "ckpt") is not None and \
-            started.get("cell_hash") in (chash, legacy_cell_hash(cfg))
+            started.get("cell_hash") in (chash, cell.legacy_hash)
         data = prepare_data(cfg.data)
         # not resumable (no checkpoint, or one of another config): the trainer replaces the cell's run
         # under its own lock, so two study processes never train the same cell at once
@@ -190,16 +194,15 @@ def _last_step(run_dir: Path) -> int:
     return 0
 
 
-def cell_status(cell: Cell, results: Path, out: Path) -> tuple[str, dict | None]:
+def cell_status(cell: Cell, results: Path) -> tuple[str, dict | None]:
     """'done' (a matching ok/diverged result exists), 'stale' (one exists for another config) or 'todo'."""
     res = read_result(results / cell.id / "result.json")
     if res is None or res.get("status") not in DONE:
         return "todo", res
-    cfg = _cell_cfg(cell, out, 1)
-    if res.get("cell_hash") == cell_hash(cfg):
+    if res.get("cell_hash") == cell.hash:
         return "done", res
-    if res.get("cell_hash") == legacy_cell_hash(cfg):  # written before hash version 2: upgraded in place
-        res["cell_hash"] = cell_hash(cfg)
+    if res.get("cell_hash") == cell.legacy_hash:  # written before hash version 2: upgraded in place
+        res["cell_hash"] = cell.hash
         with contextlib.suppress(OSError):  # a read-only checkout keeps the old hash, which still matches
             write_json_atomic(results / cell.id / "result.json", res)
         return "done", res
@@ -223,12 +226,10 @@ def reuse_index(folders: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
     return index
 
 
-def reusable(cell: Cell, study: Study, out: Path, index: dict) -> tuple[str, dict[str, Any]] | None:
+def reusable(cell: Cell, study: Study, index: dict) -> tuple[str, dict[str, Any]] | None:
     """The (source, result) in ``index`` that ``cell`` may take over, or None (with probes asked for,
     only a result that has them)."""
-    if not index:
-        return None
-    src = index.get(cell_hash(_cell_cfg(cell, out, 1)))
+    src = index.get(cell.hash)
     return src if src is not None and (src[1].get("probe") or not study.protocol.probe) else None
 
 
@@ -267,8 +268,8 @@ def _run_study(study: Study, out: Path, results: Path, workers: int, log) -> Out
     stale = reused = 0
     index = reuse_index(study.protocol.reuse)
     for cell in study.cells:
-        status, res = cell_status(cell, results, out)
-        src = reusable(cell, study, out, index) if status != "done" else None
+        status, res = cell_status(cell, results)
+        src = reusable(cell, study, index) if status != "done" else None
         if src is not None:
             res = {**src[1], **cell_header(cell, study.name, Path(str(src[1].get("log")))), "reused_from": src[0]}
             write_json_atomic(results / cell.id / "result.json", res)
@@ -285,14 +286,13 @@ def _run_study(study: Study, out: Path, results: Path, workers: int, log) -> Out
     if not todo:
         return outcome
     # data: once per distinct data config, before any worker starts (workers then reuse the cache)
-    cfgs = {c.id: c.config() for c in todo}
     by_data: dict[str, list[Cell]] = {}
     for cell in todo:
-        by_data.setdefault(repr(cfgs[cell.id].data), []).append(cell)
+        by_data.setdefault(repr(cell.cfg.data), []).append(cell)
     runnable: list[Cell] = []
     for cells in by_data.values():
         try:
-            prepare_data(cfgs[cells[0].id].data, log=log)
+            prepare_data(cells[0].cfg.data, log=log)
             runnable += cells
         except Exception as e:  # every cell on this data fails, the others go on
             msg = f"data preparation failed: {type(e).__name__}: {e}".splitlines()[0]
@@ -306,7 +306,7 @@ def _run_study(study: Study, out: Path, results: Path, workers: int, log) -> Out
     for cell in runnable:  # an old result of a cell about to run must not be mistaken for its new one
         (results / cell.id / "result.json").unlink(missing_ok=True)
     threads = max(1, (os.cpu_count() or 1) // max(workers, 1))
-    steps = {c.id: cfgs[c.id].train.steps for c in runnable}
+    steps = {c.id: c.cfg.train.steps for c in runnable}
     bar = tqdm(total=sum(steps.values()), unit="step", desc=study.name, dynamic_ncols=True,
                disable=not sys.stderr.isatty() and not os.environ.get("QKLAB_PROGRESS"))
     try:

@@ -4,6 +4,7 @@
     name = "demo"                    # default: the file's stem
     config = "small"                 # base preset or TOML path of every cell
     seeds = [0, 1]
+    workers = 2                      # default of --workers (0: in the calling process); default 1
     set = { "train.steps" = 150 }    # config keys applied to every cell
 
     [grid]                           # optional: every combination, crossed with the variants
@@ -23,11 +24,14 @@
     data_seed = 0                    # every cell sees the same batches in the same order
     probe = 0                        # attention probes on each finished cell, contexts up to N training lengths
 
-A cell is one plain training run. Its id names the variant, grid point, rate multiple and seed.
+A cell is one plain training run. Its id names the variant, grid point, rate multiple and seed; its
+config is built and validated once, here, and carried on the cell with its hash (``Cell.cfg``,
+``Cell.hash``): the runner copies it, never parses it again.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 import json
@@ -37,12 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qklab.config import ConfigError, RunConfig, _parse_value, load_config
+from qklab.config import NEUTRAL, ConfigError, RunConfig, _parse_value, check_run_name, from_dict, read_preset, set_key
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-# keys that do not change what a cell computes (where it writes, how it shows progress, its threads)
-NEUTRAL_KEYS = {("train", "out_dir"), ("train", "name"), ("train", "progress"), ("train", "threads"),
-                ("data", "cache_dir"), ("train", "ckpt_format")}
 
 
 @dataclass
@@ -58,9 +59,6 @@ class Protocol:
     def mults(self, variant: str) -> list[float]:
         return self.lr_mults_for.get(variant, self.lr_mults)
 
-    def reference_for(self, attention: str) -> str | None:
-        return self.reference.get(attention, self.reference.get("*"))
-
     def to_dict(self) -> dict[str, Any]:
         return {"reference": self.reference, "lr_mults": self.lr_mults, "lr_mults_for": self.lr_mults_for,
                 "lr_key": self.lr_key, "data_seed": self.data_seed, "probe": self.probe, "reuse": self.reuse}
@@ -68,46 +66,50 @@ class Protocol:
 
 @dataclass(frozen=True)
 class Cell:
+    """One training run of a study. Pickled to the worker process that trains it."""
+
     id: str
     variant: str
     point: tuple[tuple[str, Any], ...]  # grid values, (key, value)
     lr_mult: float
     seed: int
-    preset: str
-    overrides: tuple[str, ...]  # --set items, in order
+    # validated; out_dir, name, progress and threads as the preset has them (the runner trains a copy with
+    # its own: neutral keys, so the copy has this hash). Never changed in place.
+    cfg: RunConfig
+    hash: str  # cell_hash(cfg): a result or run folder with another hash is another config's
 
-    def config(self, extra: list[str] | None = None) -> RunConfig:
-        return load_config(self.preset, [*self.overrides, *(extra or [])])
+    @property
+    def legacy_hash(self) -> str:
+        """The hash of results written before HASH_VERSION 2 (``cell_status`` upgrades them)."""
+        return legacy_cell_hash(self.cfg)
 
 
 @dataclass
 class Study:
     name: str
     path: Path | None
-    preset: str
+    config: str  # [study] config: the base preset (a name or a TOML path) of every cell
     seeds: list[int]
-    common: dict[str, Any]
+    set: dict[str, Any]  # [study] set: config keys applied to every cell
     grid: dict[str, list[Any]]
     variants: dict[str, dict[str, Any]]
     protocol: Protocol
+    workers: int = 1  # [study] workers: the default of --workers (0: in the calling process, serially)
     cells: list[Cell] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "config": self.preset, "seeds": self.seeds, "set": self.common,
+        return {"name": self.name, "config": self.config, "seeds": self.seeds, "set": self.set,
                 "grid": self.grid, "variants": self.variants, "protocol": self.protocol.to_dict(),
                 "cells": [c.id for c in self.cells]}
 
 
-def toml_value(v: Any) -> str:
-    """A Python value as the right-hand side of a --set item."""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
+def _value(v: Any) -> Any:
+    """A study file's value for a config key: what ``--set`` could give (a string, number, boolean or a
+    list of them; not a TOML date or time)."""
+    if isinstance(v, bool | int | float | str):
+        return v
     if isinstance(v, list | tuple):
-        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+        return [_value(x) for x in v]
     raise ConfigError(f"value {v!r} cannot be set from a study file; use a string, number, boolean or list")
 
 
@@ -134,8 +136,8 @@ def parse_sets(items: list[str], where: str) -> dict[str, Any]:
     return out
 
 
-def _sets(d: dict[str, Any]) -> list[str]:
-    return [f"{k}={toml_value(v)}" for k, v in flatten(d).items()]
+def _sets(d: dict[str, Any]) -> list[tuple[str, Any]]:
+    return [(k, _value(v)) for k, v in flatten(d).items()]
 
 
 def _label(v: Any) -> str:
@@ -144,15 +146,18 @@ def _label(v: Any) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "", str(v)) or "x"
 
 
-def _point_sets(point: tuple[tuple[str, Any], ...]) -> list[str]:
-    """--set items of a grid point; a table value sets each of its keys."""
-    out: list[str] = []
+def _point_sets(point: tuple[tuple[str, Any], ...]) -> list[tuple[str, Any]]:
+    """(key, value) settings of a grid point; a table value sets each of its keys."""
+    out: list[tuple[str, Any]] = []
     for k, v in point:
-        out += _sets(v) if isinstance(v, dict) else [f"{k}={toml_value(v)}"]
+        out += _sets(v) if isinstance(v, dict) else [(k, _value(v))]
     return out
 
 
-HASH_VERSION = 2  # bump when a default value that changes what cells compute changes
+# The version of what cell_hash covers, hashed with it: bump it when a config default that changes what
+# cells compute changes (every committed result then counts as another config's, and is run again).
+# 1: every key, defaults included (legacy_cell_hash); 2: only the values that differ from the defaults.
+HASH_VERSION = 2
 
 
 def cell_hash(cfg: RunConfig) -> str:
@@ -178,8 +183,9 @@ def legacy_cell_hash(cfg: RunConfig) -> str:
 
 def _computing(cfg: RunConfig) -> dict[str, Any]:
     d = json.loads(json.dumps(cfg.to_dict(), default=str))  # plain JSON values: tuples as lists
-    for sec, key in NEUTRAL_KEYS:
-        d[sec].pop(key, None)
+    for key in NEUTRAL:  # "train.out_dir": where it writes, how it shows progress, its threads
+        sec, _, k = key.partition(".")
+        d[sec].pop(k, None)
     return d
 
 
@@ -203,6 +209,9 @@ def parse_study(raw: dict[str, Any], name: str, path: Path | None = None) -> Stu
     _need(isinstance(s, dict), "[study]", "must be a table")
     bad = set(s) - {"name", "config", "seeds", "set", "workers"}
     _need(not bad, "[study]", f"unknown key(s) {', '.join(sorted(bad))}; use name, config, seeds, set, workers")
+    workers = s.get("workers", 1)
+    _need(type(workers) is int and workers >= 0, "[study] workers",
+          f"{workers!r}: use 0 (cells in the calling process), 1 or more")
     name = s.get("name", name)
     _need(isinstance(name, str) and bool(NAME_RE.match(name)), "[study] name",
           f"{name!r} must be a plain name (letters, digits, . _ -)")
@@ -211,8 +220,8 @@ def parse_study(raw: dict[str, Any], name: str, path: Path | None = None) -> Stu
     _need(isinstance(seeds, list) and bool(seeds) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
                                                           for x in seeds) and len(set(seeds)) == len(seeds),
           "[study] seeds", f"{seeds!r} must be a non-empty list of distinct integers >= 0")
-    common = s.get("set", {})
-    _need(isinstance(common, dict), "[study] set", "must be a table of config keys, e.g. { \"train.steps\" = 100 }")
+    every_cell = s.get("set", {})
+    _need(isinstance(every_cell, dict), "[study] set", "must be a table of config keys, e.g. { \"train.steps\" = 100 }")
     grid = raw.get("grid", {})
     _need(isinstance(grid, dict), "[grid]", "must be a table of key = [values]")
     grid = flatten(grid)
@@ -244,60 +253,78 @@ def parse_study(raw: dict[str, Any], name: str, path: Path | None = None) -> Stu
           f"{proto.reuse!r}: use a list of result folders, e.g. [\"docs/results/logit_control_cpu\"]")
     _need(type(proto.probe) is int and proto.probe >= 0, "[protocol] probe",
           f"{proto.probe!r}: use 0 (no probes) or N >= 1 (probe contexts up to N training lengths)")
-    _need(isinstance(proto.data_seed, int) and proto.data_seed >= -1, "[protocol] data_seed",
+    _need(type(proto.data_seed) is int and proto.data_seed >= -1, "[protocol] data_seed",
           "use a seed >= 0 (the same batches in every cell) or -1 (each seed its own order)")
-    study = Study(name, path, preset, list(seeds), common, grid, variants, proto)
+    study = Study(name, path, preset, list(seeds), every_cell, grid, variants, proto, workers)
     study.cells = expand(study)
     return study
 
 
 def expand(study: Study) -> list[Cell]:
-    """All cells, seed-major (a study cut short still has every variant at its first seeds)."""
+    """All cells, seed-major (a study cut short still has every variant at its first seeds). A variant at a
+    grid point is parsed once (its preset, then [study] set, the grid values and its own keys, in that
+    order); each of its cells is a copy at its rate (a multiple of the variant's own), seed and data seed,
+    validated and hashed once."""
     cells: list[Cell] = []
     points = [tuple(zip(study.grid, combo, strict=True)) for combo in itertools.product(*study.grid.values())]
-    base_sets = _sets(study.common)
     p = study.protocol
-    bases: dict[tuple, float] = {}
+    presets: dict[str, dict[str, Any]] = {}  # preset -> its raw TOML, read once
+    bases: dict[tuple, RunConfig] = {}  # (variant, grid point) -> its config before rate, seed and data seed
+    lr_sec, _, lr_field = p.lr_key.partition(".")  # "train.lr" -> cfg.train.lr
     for seed in study.seeds:
         for point in points:
             for label, raw in study.variants.items():
-                raw = dict(raw)
-                preset = raw.pop("config", study.preset)
                 where = f"variant '{label}'" + (f" at {dict(point)}" if point else "")
-                sets = [*base_sets, *_point_sets(point), *_sets(raw)]
                 key = (label, json.dumps(point, sort_keys=True, default=str))
-                if key not in bases:  # the variant's own base rate at this grid point
-                    try:
-                        cfg = load_config(preset, sets)
-                    except ConfigError as e:
-                        raise ConfigError(f"{where}: {e}") from None
-                    sec, _, k = p.lr_key.partition(".")
-                    base = getattr(getattr(cfg, sec, None), k, None)
-                    _need(isinstance(base, float), "[protocol] lr_key", f"'{p.lr_key}' is not a float config key")
-                    bases[key] = base
+                if key not in bases:
+                    bases[key] = _variant_config(study, point, raw, presets, where)
+                base = bases[key]
+                rate = getattr(getattr(base, lr_sec, None), lr_field, None)
+                _need(isinstance(rate, float), "[protocol] lr_key", f"'{p.lr_key}' is not a float config key")
                 for mult in p.mults(label):
                     cid = "_".join([label, *(f"{k.rsplit('.', 1)[-1]}{_label(v)}" for k, v in point),
                                     f"lr{mult:g}", f"s{seed}"])
-                    cell = Cell(cid, label, point, mult, seed, preset,
-                                (*sets, f"{p.lr_key}={bases[key] * mult!r}", f"train.seed={seed}",
-                                 f"train.data_seed={p.data_seed}"))
+                    cfg = copy.deepcopy(base)
+                    setattr(getattr(cfg, lr_sec), lr_field, rate * mult)
+                    cfg.train.seed, cfg.train.data_seed = seed, p.data_seed
                     try:
-                        cell.config()
+                        check_run_name(cid, "cell id")  # the name of the cell's run folder
+                        cfg.validate()
                     except ConfigError as e:
                         raise ConfigError(f"{where}, lr x{mult:g}: {e}") from None
-                    cells.append(cell)
+                    cells.append(Cell(cid, label, point, mult, seed, cfg, cell_hash(cfg)))
     ids = [c.id for c in cells]
     dup = {i for i in ids if ids.count(i) > 1}
     _need(not dup, "study", f"cells {sorted(dup)} share an id; make grid values or variant labels distinct")
     return cells
 
 
-def load_study(path: str | Path) -> Study:
+def _variant_config(study: Study, point: tuple, variant: dict[str, Any], presets: dict, where: str) -> RunConfig:
+    """A variant's config at a grid point, parsed (keys and types checked), not yet validated."""
+    variant = dict(variant)
+    preset = variant.pop("config", study.config)
+    _need(isinstance(preset, str), where, f"config = {preset!r} must name a preset or a TOML file")
+    try:
+        if preset not in presets:
+            presets[preset] = read_preset(preset)
+        raw = copy.deepcopy(presets[preset])
+        for key, value in [*_sets(study.set), *_point_sets(point), *_sets(variant)]:
+            set_key(raw, key.strip(), value)
+        return from_dict(RunConfig, raw)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def read_study(path: str | Path) -> dict[str, Any]:
+    """A study file's TOML, as ``parse_study`` takes it."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"study file '{path}' not found; give a path such as studies/demo.toml")
     try:
-        raw = tomllib.loads(p.read_text())
+        return tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p}: invalid TOML ({e})") from None
-    return parse_study(raw, p.stem, p)
+
+
+def load_study(path: str | Path) -> Study:
+    return parse_study(read_study(path), Path(path).stem, Path(path))
