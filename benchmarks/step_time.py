@@ -19,9 +19,9 @@ import tempfile
 import torch
 from _timing import interleaved, paired_ratio
 
+from qklab.cli.sweep import parse_variant
 from qklab.config import load_config
 from qklab.data import prepare_data
-from qklab.sweep import parse_variant
 from qklab.train.trainer import Trainer
 
 

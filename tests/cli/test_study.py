@@ -27,13 +27,14 @@ def test_status_lists_done_and_todo(tmp_path, capsys):
     f = tmp_path / "st.toml"
     f.write_text('[study]\nconfig = "tiny"\nseeds = [0, 1]\n[variants.a]\n"qk.method" = "none"\n')
     res = tmp_path / "res"
-    # a result for seed 0 with the right hash: computed the way the runner does
-    from qklab.study.runner import _cell_cfg
+    # a result for seed 0 with the right hash: that of the config the runner trains
+    from qklab.study.runner import run_config
     from qklab.study.spec import cell_hash, load_study
 
     cell = load_study(f).cells[0]
     r = result("a", 1.0, 0, 5.0, 5.0)
-    r["cell_hash"] = cell_hash(_cell_cfg(cell, tmp_path / "o", 1))
+    r["cell_hash"] = cell_hash(run_config(cell, tmp_path / "o", 1))
+    assert r["cell_hash"] == cell.hash
     write_json_atomic(res / cell.id / "result.json", r)
     assert main(["study", "status", str(f), "--out", str(tmp_path / "o"), "--results", str(res)]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -45,7 +46,7 @@ def test_cell_hash_ignores_defaults_and_upgrades_legacy_results(tmp_path, monkey
     """A key set to its default hashes as unset, so a key added later at its default leaves committed
     results valid; a result with the hash of before (every key) counts as done and is upgraded."""
     from qklab.config import RunConfig, load_config
-    from qklab.study.runner import _cell_cfg, cell_status
+    from qklab.study.runner import cell_status
     from qklab.study.spec import cell_hash, legacy_cell_hash, load_study
 
     plain = load_config("tiny", [])
@@ -61,14 +62,14 @@ def test_cell_hash_ignores_defaults_and_upgrades_legacy_results(tmp_path, monkey
     f = tmp_path / "st.toml"
     f.write_text('[study]\nconfig = "tiny"\nseeds = [0]\n[variants.a]\n"qk.method" = "none"\n')
     cell = load_study(f).cells[0]
-    cfg = _cell_cfg(cell, tmp_path / "o", 1)
+    assert cell.hash == cell_hash(cell.cfg) and cell.legacy_hash == legacy_cell_hash(cell.cfg)
     r = result("a", 1.0, 0, 5.0, 5.0)
-    r["cell_hash"] = legacy_cell_hash(cfg)
-    assert r["cell_hash"] != cell_hash(cfg)
+    r["cell_hash"] = cell.legacy_hash
+    assert r["cell_hash"] != cell.hash
     write_json_atomic(tmp_path / "res" / cell.id / "result.json", r)
-    status, res = cell_status(cell, tmp_path / "res", tmp_path / "o")
+    status, res = cell_status(cell, tmp_path / "res")
     assert status == "done"
-    assert read_result(tmp_path / "res" / cell.id / "result.json")["cell_hash"] == cell_hash(cfg)
+    assert read_result(tmp_path / "res" / cell.id / "result.json")["cell_hash"] == cell.hash
     r["cell_hash"] = "0" * 16  # another config's
     write_json_atomic(tmp_path / "res" / cell.id / "result.json", r)
-    assert cell_status(cell, tmp_path / "res", tmp_path / "o")[0] == "stale"
+    assert cell_status(cell, tmp_path / "res")[0] == "stale"

@@ -12,8 +12,8 @@ from qklab.cli import main
 from qklab.config import load_config
 from qklab.diagnostics import NonFiniteError
 from qklab.model import GPT
-from qklab.train.checkpoint import latest_checkpoint, load_checkpoint
-from qklab.train.metrics import read_metrics
+from qklab.rundir.checkpoint import latest_checkpoint, load_checkpoint
+from qklab.rundir.metrics import read_metrics
 from qklab.train.trainer import Trainer
 
 

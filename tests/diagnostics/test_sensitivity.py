@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from qklab.diagnostics import magnitude_sensitivity
-from qklab.diagnostics import measures as M
 from qklab.diagnostics.sensitivity import SCALES
 from tests.conftest import tiny_gpt
+from tests.diagnostics import oracles as O
 
 
 def _x():
@@ -65,5 +65,5 @@ def test_js_equals_the_full_eager_computation(monkeypatch):
                 b.attn(h_in * a, *rest, **kw)
             caps[a] = b.attn.capture
         b.attn.capture = None
-        want = M.js_divergence(caps[4.0]["probs"], caps[1.0]["probs"], caps[1.0]["mask"])
+        want = O.js_divergence(caps[4.0]["probs"], caps[1.0]["probs"], caps[1.0]["mask"])
         torch.testing.assert_close(torch.tensor(res["js"][4][i]), want, atol=1e-6, rtol=1e-5)

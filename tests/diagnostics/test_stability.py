@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from qklab.diagnostics import SpikeDetector, diverged, find_spikes, stability_summary, stable_lr_range
+from qklab.diagnostics import SpikeDetector, diverged, find_spikes, stability_summary
 
 
 def _noisy(n: int, base: float = 3.0) -> list[float]:
@@ -49,9 +49,3 @@ def test_diverged_rule_and_summary():
     assert diverged(recs)
     s = stability_summary(recs + [{"step": 4, "event": "loss_spike", "loss": 4.0}])
     assert s == {"diverged": True, "spikes": [4], "nonfinite_steps": [3]}
-
-
-def test_stable_lr_range():
-    finals = {1e-3: 3.02, 3e-3: 2.96, 1e-2: 2.99, 3e-2: 3.2, 1e-1: float("nan")}
-    assert stable_lr_range(finals) == [3e-3, 1e-2]
-    assert stable_lr_range({}) == []

@@ -11,7 +11,7 @@ import torch
 from qklab.cli import main
 from qklab.config import ConfigError, load_config
 from qklab.diagnostics import head_series, probe_summary
-from qklab.train.metrics import read_metrics
+from qklab.rundir.metrics import read_metrics
 from qklab.train.trainer import Trainer
 
 SPIKE_STEP = 18

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from qklab.cli import main
-from qklab.train.checkpoint import latest_checkpoint
-from qklab.train.metrics import read_metrics
+from qklab.rundir.checkpoint import latest_checkpoint
+from qklab.rundir.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 30

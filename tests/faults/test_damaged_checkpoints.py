@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from qklab.train.checkpoint import latest_checkpoint, read_state, verify_checkpoint
+from qklab.rundir.checkpoint import latest_checkpoint, read_state, verify_checkpoint
 from tests.faults.common import LEDGER, STEPS, cli, copy_run, same_as_reference, sets
 
 

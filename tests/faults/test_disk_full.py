@@ -11,9 +11,9 @@ import sys
 import pytest
 
 import qklab.atomic as files
-import qklab.train.checkpoint as ck
-from qklab.train.checkpoint import latest_checkpoint, remove_stale_temps
-from qklab.train.metrics import MetricsLog
+import qklab.rundir.checkpoint as ck
+from qklab.rundir.checkpoint import latest_checkpoint, remove_stale_temps
+from qklab.rundir.metrics import MetricsLog
 from tests.faults.common import LEDGER, cli, copy_run, same_as_reference, sets
 
 

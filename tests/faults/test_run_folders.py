@@ -8,8 +8,8 @@ import pytest
 import qklab.train.trainer as trainer_mod
 from qklab.config import load_config
 from qklab.data import DataError
-from qklab.train.metrics import read_metrics
-from qklab.train.runfolder import RunLockError
+from qklab.rundir.folder import RunLockError
+from qklab.rundir.metrics import read_metrics
 from qklab.train.trainer import Trainer
 from tests.faults.common import LEDGER, STEPS, child, cli, copy_run, same_as_reference, sets, wait_for_step
 

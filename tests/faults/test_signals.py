@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from qklab.train.checkpoint import latest_checkpoint, verify_checkpoint
+from qklab.rundir.checkpoint import latest_checkpoint, verify_checkpoint
 from tests.faults.common import LEDGER, STEPS, child, cli, same_as_reference, sets, wait_for_step
 
 RNG = random.Random(13)  # the random points, fixed so that a failure can be rerun
@@ -18,7 +18,7 @@ STOP_AT = RNG.randrange(2, STEPS - 2)
 # the checkpoint of step 20 is written slowly; a signal sent meanwhile lands mid-write
 SLOW_WRITE = """
 import time
-import qklab.train.checkpoint as ck
+import qklab.rundir.checkpoint as ck
 _real = ck.torch.save
 def _slow(obj, path):
     if obj.get("step") == 20:
@@ -81,7 +81,7 @@ def test_sigterm_and_sigint_checkpoint_at_the_next_step(root, reference, sig, co
 
 
 def _logged_steps(run):
-    from qklab.train.metrics import read_metrics
+    from qklab.rundir.metrics import read_metrics
 
     return [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
 

@@ -220,6 +220,7 @@ def test_qkclip_on_deepseek_mla_clips_each_head_to_tau():
     max logit, recomputed with qklab's MLA on the same layer inputs, lands at min(S_h, tau)."""
     from qklab.hf.deepseek import mla_config, mla_from_deepseek
     from qklab.model import Rope
+    from qklab.model.rope import Yarn
 
     model = _deepseek()
     with torch.no_grad():
@@ -235,7 +236,7 @@ def test_qkclip_on_deepseek_mla_clips_each_head_to_tau():
         ours = mla_from_deepseek(model.model.layers[i].self_attn).eval()
         ours.capture = {}
         with torch.no_grad():
-            ours(x, Rope(64, cfg.rope_theta, cfg.yarn))
+            ours(x, Rope(64, cfg.rope_theta, Yarn.from_config(cfg)))
         s, mask = ours.capture["logits"], ours.capture["mask"]
         return s.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3))
 

@@ -70,7 +70,7 @@ def test_imported_mla_matches_transformers(version, q_lora, interleave, rope):
     cfg = mla_config(theirs.config)
     B, T = 2, 40  # beyond the YaRN original context (16)
     x = torch.randn(B, T, C)
-    rope_ = Rope(64, cfg.rope_theta, cfg.yarn)
+    rope_ = Rope(64, cfg.rope_theta, Yarn.from_config(cfg))
     with torch.no_grad():
         ref = _hf_forward(version, theirs, rot, x)
         torch.testing.assert_close(ours(x, rope_), ref, atol=1e-5, rtol=1e-5)
@@ -116,7 +116,7 @@ def test_export_then_import_is_exact(version, q_lora, interleave):
     x = torch.randn(2, 30, C)
     cfg = mla_config(dst.config)
     with torch.no_grad():
-        torch.testing.assert_close(_hf_forward(version, dst, rot, x), ours(x, Rope(64, 10000.0, cfg.yarn)),
+        torch.testing.assert_close(_hf_forward(version, dst, rot, x), ours(x, Rope(64, 10000.0, Yarn.from_config(cfg))),
                                    atol=1e-5, rtol=1e-5)
 
 
@@ -146,8 +146,9 @@ def test_yarn_config_keys():
 
     cfg = load_config("tiny", ["model.attention=mla", "model.rope_scaling=yarn", "model.yarn_factor=4",
                                "model.yarn_mscale_all_dim=0.8"]).model
-    assert cfg.yarn == Yarn(4.0, cfg.max_seq_len // 4, 32.0, 1.0, 0.0, 0.8)
+    yarn = Yarn.from_config(cfg)
+    assert yarn == Yarn(4.0, cfg.max_seq_len // 4, 32.0, 1.0, 0.0, 0.8)
     model = GPT(dataclasses.replace(cfg, vocab_size=97))
-    assert model.rope.yarn == cfg.yarn and model.blocks[0].attn.softmax_mscale == cfg.yarn.softmax_mscale() > 1
+    assert model.rope.yarn == yarn and model.blocks[0].attn.softmax_mscale == yarn.softmax_mscale() > 1
     with pytest.raises(ConfigError, match="yarn_factor"):
         load_config("tiny", ["model.rope_scaling=yarn"])

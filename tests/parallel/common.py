@@ -13,7 +13,7 @@ import torch.distributed as tdist
 import torch.multiprocessing as mp
 
 from qklab.config import load_config
-from qklab.train.metrics import read_metrics
+from qklab.rundir.metrics import read_metrics
 from qklab.train.trainer import Trainer
 
 STEPS = 6

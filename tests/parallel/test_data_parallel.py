@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from qklab.train.metrics import read_metrics
+from qklab.rundir.metrics import read_metrics
 from tests.parallel.common import assert_ranks_equal, check_against_one, run_cases
 
 CASES = {

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from qklab.config import ConfigError
 from qklab.model import GPT
-from qklab.train.checkpoint import latest_checkpoint, load_weights, verify_checkpoint
+from qklab.rundir.checkpoint import latest_checkpoint, load_weights, verify_checkpoint
 from tests.parallel.common import CopyRun, TrainJob, assert_close_curves, losses, single, spawn
 
 # a constant schedule: the lr does not depend on train.steps, so a 3-step run continued to 6 is one run
@@ -119,7 +119,7 @@ def test_a_damaged_shard_falls_back_to_the_previous_checkpoint(runs):
 
 
 def _model_cfg(tmp, name):
-    from qklab.diagnostics.probe import Target, load_run_config
+    from qklab.rundir.load import Target, load_run_config
 
     cfg = load_run_config(Target(tmp / "runs" / name / "ckpt", tmp / "runs" / name))
     return cfg.model, cfg.qk

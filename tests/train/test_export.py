@@ -11,10 +11,10 @@ from safetensors.torch import load_file, load_model
 
 from qklab.cli import main
 from qklab.config import load_config
-from qklab.diagnostics.probe import resolve_target
 from qklab.model import GPT
-from qklab.train.checkpoint import is_sharded, latest_checkpoint, verify_checkpoint
-from qklab.train.metrics import read_metrics
+from qklab.rundir.checkpoint import is_sharded, latest_checkpoint, verify_checkpoint
+from qklab.rundir.load import resolve_target
+from qklab.rundir.metrics import read_metrics
 from qklab.train.trainer import Trainer
 
 

@@ -18,7 +18,7 @@ import torch
 
 import qklab
 from qklab.config import load_config
-from qklab.train.metrics import read_metrics
+from qklab.rundir.metrics import read_metrics
 from qklab.train.trainer import Trainer
 
 SRC = str(Path(qklab.__file__).parent)

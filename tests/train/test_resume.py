@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from qklab.config import load_config
-from qklab.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from qklab.train.metrics import read_metrics
+from qklab.rundir.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from qklab.rundir.metrics import read_metrics
 from qklab.train.trainer import Trainer
 
 GOLDEN = Path(__file__).parents[1] / "golden" / "tiny_none_losses.json"
@@ -90,7 +90,7 @@ KILLER = textwrap.dedent(
     """
     import sys, time, torch
     from pathlib import Path
-    import qklab.train.checkpoint as ck
+    import qklab.rundir.checkpoint as ck
     from tests.conftest import tiny_gpt
     torch.manual_seed(0)
     model = tiny_gpt()

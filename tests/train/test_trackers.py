@@ -10,8 +10,7 @@ import time
 import pytest
 
 from qklab.config import ConfigError, load_config
-from qklab.train.metrics import read_metrics
-from qklab.train.trackers import flat_scalars
+from qklab.rundir.metrics import flat_scalars, read_metrics
 from qklab.train.trainer import Trainer
 
 

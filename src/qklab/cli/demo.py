@@ -5,18 +5,17 @@ multiplier; MLA none, qknorm and quack)."""
 from __future__ import annotations
 
 import math
-import tomllib
 from pathlib import Path
 
+from qklab.cli.study import resolve_study, run_and_report, workers_for
 from qklab.config import ConfigError
-from qklab.study.cli import resolve_study, run_and_report
-from qklab.study.spec import parse_sets, parse_study
+from qklab.study.spec import parse_sets, parse_study, read_study
 
 
 def run_demo(study: str = "demo", methods: str | None = None, overrides: list[str] | None = None,
              workers: int | None = None, out: str | None = None) -> Path | None:
     path = resolve_study(study)
-    raw = tomllib.loads(path.read_text())
+    raw = read_study(path)  # the study's TOML: --methods and --set change it before it is parsed
     if methods:  # a subset of the study's variants, all checked before anything trains
         wanted = [m.strip() for m in methods.split(",") if m.strip()]
         known = list(raw.get("variants", {}))
@@ -31,8 +30,7 @@ def run_demo(study: str = "demo", methods: str | None = None, overrides: list[st
             raw.get("protocol", {}).pop("reference", None)
     raw.setdefault("study", {}).setdefault("set", {}).update(parse_sets(overrides or [], "--set"))
     s = parse_study(raw, path.stem, path)
-    n_workers = workers if workers is not None else raw.get("study", {}).get("workers", 1)
-    outcome, report = run_and_report(s, out or Path("runs") / s.name, None, n_workers)
+    outcome, report = run_and_report(s, out or Path("runs") / s.name, None, workers_for(s, workers))
     _print_table(outcome.results.values())
     if report is not None:
         print(f"\nreport: {report / 'report.html'}  (also report.md)")

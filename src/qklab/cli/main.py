@@ -14,10 +14,9 @@ import sys
 import traceback
 from pathlib import Path
 
-from qklab.config import ConfigError, load_config, preset_names
-from qklab.data import DataError
+from qklab.config import load_config, preset_names
 from qklab.diagnostics.stability import NonFiniteError
-from qklab.train.checkpoint import CheckpointError
+from qklab.errors import UserError
 from qklab.train.signals import RunInterrupted, TermRaises
 from qklab.version import version_line
 
@@ -39,14 +38,14 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from qklab.demo import run_demo
+    from qklab.cli.demo import run_demo
 
     run_demo(args.study, methods=args.methods, overrides=args.set, workers=args.workers, out=args.out)
     return 0
 
 
 def _study(args: argparse.Namespace) -> int:
-    from qklab.study.cli import study_command
+    from qklab.cli.study import study_command
 
     return study_command(args)
 
@@ -60,8 +59,8 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from qklab.study.cli import run_and_report
-    from qklab.sweep import sweep_study
+    from qklab.cli.study import run_and_report
+    from qklab.cli.sweep import sweep_study
 
     study = sweep_study(args.config, args.variant, args.seeds, args.out, args.set, args.lr_mults, args.reference)
     run_and_report(study, out=args.out, results=None, workers=args.workers)
@@ -194,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with TermRaises():  # SIGTERM outside the training loop: one line too
             return args.fn(args)
-    except (ConfigError, DataError, CheckpointError) as e:
+    except UserError as e:
         print(f"qklab: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except OSError as e:  # a missing, unreadable or unwritable path, a full disk: the user's to fix

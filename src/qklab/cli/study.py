@@ -18,8 +18,9 @@ def resolve_study(spec: str) -> Path:
     return resolve_named_file(spec, STUDY_DIR, "study", "study")
 
 
-def _workers(n: int | None, study_raw_workers: int | None) -> int:
-    w = n if n is not None else (study_raw_workers or 1)
+def workers_for(study: Study, n: int | None) -> int:
+    """--workers N, else the study's ``[study] workers``."""
+    w = n if n is not None else study.workers
     if w < 0:
         raise ConfigError(f"--workers {w}: use 0 (in this process), 1 or more")
     return w
@@ -40,20 +41,16 @@ def run_and_report(study: Study, out: str | Path | None, results: str | Path | N
 
 
 def study_command(args: argparse.Namespace) -> int:
-    import tomllib
-
-    path = resolve_study(args.file)
-    study = load_study(path)
-    default_workers = tomllib.loads(path.read_text()).get("study", {}).get("workers")
+    study = load_study(resolve_study(args.file))
     out = Path(args.out or Path("runs") / "studies" / study.name)
     results = Path(args.results) if args.results else out / "results"
     if args.action == "status":
         index = reuse_index(study.protocol.reuse)
-        rows = [(c.id, cell_status(c, results, out)) for c in study.cells]
+        rows = [(c.id, cell_status(c, results)) for c in study.cells]
         n_reuse = 0
         for c, (cid, (status, res)) in zip(study.cells, rows, strict=True):
             detail = (res or {}).get("status", "") if status != "done" else res["status"]
-            src = reusable(c, study, out, index) if status != "done" else None
+            src = reusable(c, study, index) if status != "done" else None
             if src is not None:
                 status, detail, n_reuse = "reuse", f"from {src[0]} ({src[1]['status']})", n_reuse + 1
             print(f"{cid:<40} {status:<6} {detail}")
@@ -61,8 +58,7 @@ def study_command(args: argparse.Namespace) -> int:
         print(f"{study.name}: {done}/{len(rows)} cells done" + (f", {n_reuse} to reuse" if n_reuse else "")
               + f"; results in {results}")
         return 0
-    outcome, _ = run_and_report(study, out, results, _workers(args.workers, default_workers),
-                                report=not args.no_report)
+    outcome, _ = run_and_report(study, out, results, workers_for(study, args.workers), report=not args.no_report)
     if outcome.stopped:
         print(f"qklab: study {study.name} stopped: {len(outcome.stopped)} cell(s) stopped by a signal, "
               f"{len(outcome.not_started)} not started; run the same command to continue", file=sys.stderr)

@@ -47,14 +47,14 @@ def parse_numbers(text: str, what: str, kind: type = int) -> list:
     return vals
 
 
-def sweep_study(preset: str, variants: list[str], seeds: str, out: str | Path, common: list[str],
+def sweep_study(preset: str, variants: list[str], seeds: str, out: str | Path, overrides: list[str],
                 lr_mults: str = "1", reference: str | None = None) -> Study:
     parsed = [parse_variant(v) for v in variants]
     vs = {v.label: parse_sets(v.overrides, f"--variant '{v.label}'") for v in parsed}
     if len(vs) != len(variants):
         raise ConfigError("--variant labels must be distinct")
     raw = {"study": {"config": preset, "seeds": parse_numbers(seeds, "--seeds"),
-                     "set": parse_sets(common, "--set")},
+                     "set": parse_sets(overrides, "--set")},
            "variants": vs,
            "protocol": {"lr_mults": parse_numbers(lr_mults, "--lr-mults", float),
                         "reference": reference or next(iter(vs))}}

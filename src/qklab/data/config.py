@@ -6,15 +6,13 @@ import glob
 import os
 from dataclasses import dataclass
 
+from qklab.errors import DataError
+
 PYSTDLIB = "pystdlib"
 HF_PREFIX = "hf:"
 TOKENIZER_KINDS = ("bpe", "bytes")
 MIN_BPE_VOCAB = 260  # 256 byte symbols + the end-of-text token + a few merges
 MAX_BPE_VOCAB = 65535  # token ids are stored as uint16
-
-
-class DataError(ValueError):
-    """A problem with the data settings or the data itself, explained in one line."""
 
 
 def _is_int(value: object) -> bool:

@@ -23,7 +23,6 @@ from qklab.diagnostics.stability import (
     diverged,
     find_spikes,
     stability_summary,
-    stable_lr_range,
 )
 from qklab.diagnostics.summary import probe_summary
 
@@ -48,5 +47,4 @@ __all__ = [
     "sink_stats",
     "snapshot",
     "stability_summary",
-    "stable_lr_range",
 ]

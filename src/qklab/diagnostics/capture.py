@@ -36,10 +36,6 @@ QKWeightNorms = Callable[[nn.Module], tuple[torch.Tensor, torch.Tensor]]
 _WEIGHT_NORMS: dict[type, QKWeightNorms] = {}
 
 
-def attention_layers(model: nn.Module) -> list[nn.Module]:
-    return [b.attn for b in model.blocks]
-
-
 def model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
@@ -50,7 +46,7 @@ def probe_mode(model: nn.Module) -> Iterator[None]:
     that track a running max logit for a controller (``track_max_logit``, QK-clip) stop tracking
     meanwhile, so probe batches never feed the controller."""
     was_training = model.training
-    tracking = [(a, a.track_max_logit) for a in attention_layers(model) if hasattr(a, "track_max_logit")]
+    tracking = [(a, a.track_max_logit) for a in model.attention_layers() if hasattr(a, "track_max_logit")]
     model.eval()
     try:
         for a, _ in tracking:
@@ -69,7 +65,7 @@ def capturing(model: nn.Module, reduce: Callable[[dict], None] | None = None) ->
 
     ``reduce(capture)``, if given, runs right after each layer's forward (a forward hook) and may shrink
     the dict in place, so that long contexts never hold every layer's (B, H, T, T) tensors at once."""
-    attns = attention_layers(model)
+    attns = model.attention_layers()
     caps: list[dict] = [{} for _ in attns]
     handles = []
     for a, cap in zip(attns, caps, strict=True):
@@ -94,7 +90,7 @@ def qk_hooks(model: nn.Module, fn: QKHook) -> Iterator[None]:
     """Inside the block, every attention layer calls ``fn(i, attn, q, k)`` right after its QK method's
     ``map_qk`` (so q, k are what the logits are made of) and then attends as usual (fused when it may):
     nothing of size T x T is kept. Calls with a KV cache (decoding) are passed through untouched."""
-    attns = attention_layers(model)
+    attns = model.attention_layers()
     own = []
     for i, attn in enumerate(attns):
         qk = attn.qk

@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from qklab.diagnostics import plots
-from qklab.diagnostics.probe import ProbeError, ProbeOptions, default_out, resolve_target, run_probe
+from qklab.diagnostics.probe import ProbeError, ProbeOptions, default_out, run_probe
 from qklab.diagnostics.summary import probe_summary
+from qklab.rundir.load import resolve_target
 
 
 def load_or_probe(path: str | Path, opts: ProbeOptions, log=print) -> dict[str, Any]:

@@ -20,7 +20,6 @@ from torch import nn
 from qklab.data import TokenLoader
 from qklab.diagnostics import measures as M
 from qklab.diagnostics.capture import (
-    attention_layers,
     model_device,
     probe_mode,
     qk_hooks,
@@ -47,7 +46,7 @@ def snapshot(model: nn.Module, x: torch.Tensor, prev: Snapshot | None = None, st
     """Measure the attention of ``model`` on the token batch x (B, T). With ``prev`` (a snapshot of the
     same batch), also ``logit_change``: mean |s - s_prev| per head divided by max(steps, 1); ``consume``
     drops each layer's reference q, k from ``prev`` once used, so one set is held, not two."""
-    attns = attention_layers(model)
+    attns = model.attention_layers()
     rows: dict[str, list] = {k: [None] * len(attns) for k in (*PER_HEAD, "logit_change")}
     kept: list = [None] * len(attns)
 
@@ -78,7 +77,7 @@ def sink_stats(model: nn.Module, x: torch.Tensor, n: int = SINK_LEN) -> dict[str
     """First-token attention per layer and head on the first n tokens of each sequence of x, its
     uniform baseline, and the sink rate: the share of heads whose mean first-token weight exceeds 0.3."""
     n = min(n, x.shape[1])
-    first: list = [None] * len(attention_layers(model))
+    first: list = [None] * len(model.attention_layers())
 
     def on_layer(i: int, attn: nn.Module, q: torch.Tensor, k: torch.Tensor) -> None:
         first[i] = first_token_only(attn, q, k).cpu()
@@ -141,7 +140,7 @@ class AttentionMonitor:
         return cls(probe_batch(tokens, batch, seq_len))
 
     def measure(self, model: nn.Module, step: int) -> dict[str, object]:
-        methods = [a.qk for a in attention_layers(model)]
+        methods = [a.qk for a in model.attention_layers()]
         for m in methods:  # the QK method's own stability statistics of this forward (QK-MAP: phases)
             m.record = True
         try:

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from qklab.config import ConfigError, RunConfig, from_dict
 from qklab.data import prepare_data
 from qklab.data.retrieval import N_PAIRS, seen_pool
 from qklab.diagnostics import plots
@@ -26,70 +25,11 @@ from qklab.diagnostics.monitor import probe_batch, snapshot, summarise
 from qklab.diagnostics.retrieval import retrieval_test
 from qklab.diagnostics.sensitivity import SCALES, magnitude_sensitivity
 from qklab.diagnostics.series import head_series
-from qklab.train.checkpoint import complete_checkpoints, is_sharded, latest_checkpoint, load_checkpoint
+from qklab.errors import ProbeError
+from qklab.rundir.checkpoint import complete_checkpoints
+from qklab.rundir.load import Target, load_model, load_run_config, resolve_target
 
-CONFIG_KEYS = ("model", "qk", "data", "train", "preset")
 SCHEMA = "qklab.probes/2"
-
-
-class ProbeError(ConfigError):
-    """Bad input to ``qklab probe``; the message is one line (the CLI exits with code 2)."""
-
-
-@dataclass
-class Target:
-    ckpt: Path  # ckpt/step_XXXXXXX
-    run_dir: Path | None  # the run folder holding config.json, when known
-
-
-def resolve_target(path: str | Path) -> Target:
-    """A run folder, its ckpt/ folder or one checkpoint folder -> the checkpoint to probe."""
-    p = Path(path)
-    if not p.exists():
-        raise ProbeError(f"{p}: no such run or checkpoint folder")
-    if not p.is_dir():
-        raise ProbeError(f"{p}: not a folder; give a run folder (runs/<name>) or a checkpoint (ckpt/step_*)")
-    if (p / "model.safetensors").is_file() or is_sharded(p):
-        if not (p / "state.pt").is_file():
-            raise ProbeError(f"{p}: incomplete checkpoint (no state.pt)")
-        run_dir = p.parent.parent if p.parent.name == "ckpt" else None
-        return Target(p, run_dir)
-    ckpt_dir, run_dir = (p, p.parent) if p.name == "ckpt" else (p / "ckpt", p)
-    ck = latest_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
-    if ck is None:
-        raise ProbeError(f"{p}: no checkpoint found (expected {ckpt_dir}/step_*/model.safetensors); "
-                         "train the run first")
-    return Target(ck, run_dir)
-
-
-def load_run_config(target: Target) -> RunConfig:
-    """The run's RunConfig from config.json, else from the config saved in the checkpoint's state."""
-    cfg_file = target.run_dir / "config.json" if target.run_dir is not None else None
-    if cfg_file is not None and cfg_file.is_file():
-        try:
-            raw = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as e:
-            raise ProbeError(f"{cfg_file}: not valid JSON ({e})") from None
-    else:
-        raw = torch.load(target.ckpt / "state.pt", weights_only=False, map_location="cpu").get("config")
-        if not isinstance(raw, dict):
-            raise ProbeError(f"{target.ckpt}: no config.json next to it and none saved in state.pt")
-    raw = {k: raw[k] for k in CONFIG_KEYS if k in raw}
-    qk = dict(raw.get("qk", {}))
-    qk.update(qk.pop("options", None) or {})  # saved as {"options": {name: {...}}}, read as [qk.<name>]
-    raw["qk"] = qk
-    return from_dict(RunConfig, raw).validate()
-
-
-def load_model(cfg: RunConfig, ckpt: Path, device: torch.device) -> tuple[torch.nn.Module, int]:
-    from qklab.model import GPT
-
-    model = GPT(cfg.model, cfg.qk)
-    try:
-        state = load_checkpoint(ckpt, model)
-    except (RuntimeError, KeyError, OSError) as e:
-        raise ProbeError(f"{ckpt}: weights do not match the run's config ({str(e).splitlines()[0]})") from None
-    return model.to(device).eval(), int(state.get("step", 0))
 
 
 @dataclass

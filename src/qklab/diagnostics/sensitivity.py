@@ -25,7 +25,6 @@ from torch import nn
 from qklab.diagnostics import measures as M
 from qklab.diagnostics import streamed
 from qklab.diagnostics.capture import (
-    attention_layers,
     logit_rows,
     model_device,
     per_query_head,
@@ -74,7 +73,7 @@ def magnitude_sensitivity(model: nn.Module, x: torch.Tensor, scales=SCALES) -> d
     scales = [float(a) for a in scales]
     if 1.0 not in scales:
         scales.append(1.0)
-    attns = attention_layers(model)
+    attns = model.attention_layers()
     out: list = [None] * len(attns)  # per layer {key: (S, H)}
     grabbed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     state = {"busy": False}

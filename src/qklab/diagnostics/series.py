@@ -23,7 +23,7 @@ def _is_grid(v: object) -> bool:
 def head_series(path: str | Path) -> dict[str, dict[str, np.ndarray]]:
     """{name: {"steps": (S,), "values": (S, L, H)}} for the diagnostics of ``DIAG_SERIES`` and every
     per-head controller factor; empty when the file is missing or holds none."""
-    from qklab.train.metrics import read_metrics
+    from qklab.rundir.metrics import read_metrics
 
     p = Path(path)
     if not p.is_file():

@@ -18,7 +18,6 @@ from typing import Any
 SPIKE_WINDOW = 128
 SPIKE_SIGMA = 6.0
 SPIKE_MIN_HISTORY = 16
-STABLE_TOL = 0.05
 
 
 class NonFiniteError(RuntimeError):
@@ -67,7 +66,7 @@ def _losses(records: Iterable[Mapping[str, Any]]) -> list[tuple[int, float]]:
 
 
 def diverged(records: list[Mapping[str, Any]]) -> bool:
-    """Item 7 on the records of metrics.jsonl (qklab.train.metrics.read_metrics)."""
+    """Item 7 on the records of metrics.jsonl (qklab.rundir.metrics.read_metrics)."""
     if any(str(r.get("event", "")).startswith("nonfinite") for r in records):
         return True
     vals = [v for _, v in _losses(records)]
@@ -85,12 +84,3 @@ def stability_summary(records: list[Mapping[str, Any]]) -> dict[str, Any]:
         spikes = find_spikes(_losses(records))
     return {"diverged": diverged(records), "spikes": spikes,
             "nonfinite_steps": [int(r["step"]) for r in events if str(r["event"]).startswith("nonfinite")]}
-
-
-def stable_lr_range(final_val_loss: Mapping[float, float], tol: float = STABLE_TOL) -> list[float]:
-    """Learning rates (sorted) whose final validation loss is finite and within tol of the best."""
-    ok = {lr: v for lr, v in final_val_loss.items() if math.isfinite(float(v))}
-    if not ok:
-        return []
-    best = min(ok.values())
-    return sorted(lr for lr, v in ok.items() if v <= best + tol)

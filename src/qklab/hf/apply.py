@@ -102,12 +102,8 @@ def apply(model: nn.Module, method: str, **options) -> nn.Module:
         std = qm.qk_init_std(init_std)  # used only where W_Q/W_K change width
         mod.q_proj = _rebuild(mod.q_proj, qm.qk_in_dim(), H * qm.proj_dim(), std)
         mod.k_proj = _rebuild(mod.k_proj, qm.qk_in_dim(), Hkv * qm.proj_dim(), std)
-        if getattr(mod, "q_norm", None) is not None and method != "softcap":
-            if method == "qknorm":  # the family's own QK-Norm: the method takes its gains and eps
-                with torch.no_grad():
-                    for ours, theirs in ((qm.q_norm, mod.q_norm), (qm.k_norm, mod.k_norm)):
-                        ours.weight.copy_(theirs.weight)
-                        ours.eps = getattr(theirs, "variance_epsilon", getattr(theirs, "eps", ours.eps))
+        if getattr(mod, "q_norm", None) is not None and not qm.keeps_model_qk_norm:
+            qm.adopt_qk_norm(mod.q_norm, mod.k_norm)  # e.g. a QK-Norm takes the model's own gains
             mod.q_norm = None
             mod.k_norm = None
         mod.qk_method = qm

@@ -23,7 +23,7 @@ from qklab.methods import CONTROLLERS
 
 
 class Attached:
-    """A controller bound to a model's QK layers. Controllers see it as their "model": ``qk_layers``."""
+    """A controller bound to a model's QK layers. Controllers see it as their "model": ``attention_layers()``."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, controller: str, layers: list[QKLayer],
                  opts: Any, hooks: bool, track: bool) -> None:
@@ -38,6 +38,9 @@ class Attached:
         if hooks:  # torch's own extension points: the user's loop stays as it is
             self._hooks = [optimizer.register_step_pre_hook(lambda *a: self.before_step()),
                            optimizer.register_step_post_hook(lambda *a: self.after_step())]
+
+    def attention_layers(self) -> list[QKLayer]:
+        return list(self.qk_layers)
 
     def before_step(self) -> None:
         """Call after the gradients are ready, right before optimizer.step()."""

@@ -19,13 +19,21 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from qklab.model.rope import Rope
+
+class Rope(Protocol):
+    """What a method sees of RoPE: ``qklab.model.rope.Rope``, or the adapters of ``qklab.hf`` over a
+    transformers model's own tables."""
+
+    def __call__(self, x: torch.Tensor, pos: int = 0) -> torch.Tensor:
+        """x (B, H, T, D) rotated as at positions pos, pos + 1, ..."""
+
+    def window(self, x: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """cos, sin, signed sin (T, D) of the positions x covers from pos on."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,7 @@ class QKMethod(nn.Module):
     latent_key_scale = False  # True: latent_map returns a key scalar s per token and head (cached; needs k)
     latent_key_group = 1  # heads sharing one cached key scalar (s is equal within each group of heads)
     latent_key_parts = False  # True: s has two values per key, one on the nope and one on the rope part
+    keeps_model_qk_norm = False  # qklab.hf: True keeps a model's own q/k norms (Qwen3) in front of the method
 
     def __init__(self, shape: AttnShape, opts: Any) -> None:
         super().__init__()
@@ -144,6 +153,10 @@ class QKMethod(nn.Module):
         (name, mult): they form their own optimizer group ``name``, without weight decay, at ``mult``
         times the base rate (``qklab.train.optim.build_optimizer``)."""
         return None
+
+    def adopt_qk_norm(self, q_norm: nn.Module, k_norm: nn.Module) -> None:
+        """qklab.hf: the model's own q/k norms, which this method replaces (``keeps_model_qk_norm`` False);
+        a QK-Norm takes over their gains and eps."""
 
     def reset_parameters(self) -> None:
         """Initialise the method's own parameters (called from GPT.init_weights)."""

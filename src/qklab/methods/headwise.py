@@ -9,10 +9,10 @@ keeping the optimizer's step at lr and rescaling each head's slice of the change
 
 ``HeadScaledUpdate`` snapshots the matrices before ``optimizer.step()`` and rescales after it.
 
-Sharded matrices (FSDP2: a DTensor split by rows over the ranks) are handled on the rows this process
-holds: per-head sums of squares of the local rows (``HeadMatrix.head_sq``), added over the ranks by the
-controller's reduce function, give the exact per-head norms, and factors are applied row by row, so
-a head split between two ranks is treated as one head.
+Sharded matrices (FSDP2: a DTensor split by rows over the ranks, ``qklab.methods.shards``) are handled on
+the rows this process holds: per-head sums of squares of the local rows (``HeadMatrix.head_sq``), added
+over the ranks by the controller's reduce function, give the exact per-head norms, and factors are
+applied row by row, so a head split between two ranks is treated as one head.
 """
 
 from __future__ import annotations
@@ -22,26 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-
-def is_sharded(w: torch.Tensor) -> bool:
-    """A DTensor (e.g. an FSDP2 parameter): only some of its rows live in this process."""
-    return hasattr(w, "to_local")
-
-
-def local_rows(w: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(rows held here (r, C), index of the first): the whole matrix at 0 when it is not sharded; the
-    local shard of a DTensor split on dim 0 the way ``torch.chunk`` splits (FSDP2)."""
-    if not is_sharded(w):
-        return w, 0
-    local = w.to_local()
-    world, rank = w.device_mesh.size(), w.device_mesh.get_local_rank()
-    n = w.shape[0]
-    chunk = -(-n // world)
-    start = min(rank * chunk, n)
-    if local.shape[0] != min(chunk, n - start):
-        raise ValueError(f"a {tuple(w.shape)} matrix sharded as {w.placements} is not split by rows; "
-                         "QK controllers need row (dim 0) sharding")
-    return local, start
+from qklab.methods.shards import is_sharded, local_rows
 
 
 @dataclass
@@ -97,13 +78,6 @@ class HeadMatrix:
             return
         rows, fr = self.row_factor(f)
         rows.mul_(fr)
-
-
-def attention_layers(model: nn.Module) -> list:
-    """The attention layers a controller acts on: qklab's GPT blocks, or ``model.qk_layers`` (any model
-    wrapped by ``qklab.attach``: objects with the same weight attributes and max-logit tracker)."""
-    layers = getattr(model, "qk_layers", None)
-    return list(layers) if layers is not None else [b.attn for b in model.blocks]
 
 
 def is_mla(attn: nn.Module) -> bool:

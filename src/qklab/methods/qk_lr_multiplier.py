@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from qklab.methods.base import QKController
-from qklab.methods.headwise import HeadScaledUpdate, attention_layers, logit_matrices
+from qklab.methods.headwise import HeadScaledUpdate, logit_matrices
 
 
 @dataclass
@@ -26,7 +26,7 @@ class QKLRMultiplier(QKController):
 
     def __init__(self, model, optimizer, opts: QKLRMultiplierOptions) -> None:
         super().__init__(model, optimizer, opts)
-        mats = [m for a in attention_layers(model) for m in logit_matrices(a).values()]  # MLA: all six
+        mats = [m for a in model.attention_layers() for m in logit_matrices(a).values()]  # MLA: all six
         self.update = HeadScaledUpdate(mats)
         self.factors = [torch.full((m.n_heads,), float(opts.tau)) for m in mats]
 

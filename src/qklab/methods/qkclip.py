@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from qklab.methods.base import QKController, QKMethod
-from qklab.methods.headwise import attention_layers, is_mla, logit_matrices
+from qklab.methods.headwise import is_mla, logit_matrices
 
 
 @dataclass
@@ -55,7 +55,7 @@ class QKClip(QKController):
 
     def __init__(self, model, optimizer, opts: QKClipOptions) -> None:
         super().__init__(model, optimizer, opts)
-        self.attns = attention_layers(model)
+        self.attns = model.attention_layers()
         for a in self.attns:
             self.check_method(a.qk, opts)
             a.track_max_logit = True

@@ -77,6 +77,12 @@ class QKNorm(QKMethod):
     Options = QKNormOptions
     latent_key_scale = True  # one inverse RMS per token and key head beside the MLA latent
 
+    def adopt_qk_norm(self, q_norm: nn.Module, k_norm: nn.Module) -> None:
+        with torch.no_grad():  # the family's own QK-Norm (Qwen3): its trained gains and eps carry over
+            for ours, theirs in ((self.q_norm, q_norm), (self.k_norm, k_norm)):
+                ours.weight.copy_(theirs.weight)
+                ours.eps = getattr(theirs, "variance_epsilon", getattr(theirs, "eps", ours.eps))
+
     def __init__(self, shape: AttnShape, opts: QKNormOptions) -> None:
         super().__init__(shape, opts)
         opts.validate()

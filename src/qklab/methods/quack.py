@@ -37,12 +37,11 @@ from qklab.methods.base import QKController
 from qklab.methods.headwise import (
     HeadMatrix,
     HeadScaledUpdate,
-    attention_layers,
     group_decay,
     is_mla,
-    is_sharded,
     logit_matrices,
 )
+from qklab.methods.shards import is_sharded
 
 
 @dataclass
@@ -104,7 +103,7 @@ class QuacK(QKController):
 
     def __init__(self, model, optimizer, opts: QuacKOptions) -> None:
         super().__init__(model, optimizer, opts)
-        self.attns = attention_layers(model)
+        self.attns = model.attention_layers()
         self.gains: list[dict[str, torch.Tensor] | None] = [None] * len(self.attns)
         if opts.gains:
             if not hasattr(model, "blocks"):

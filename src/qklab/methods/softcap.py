@@ -26,6 +26,7 @@ class SoftCap(QKMethod):
     name = "softcap"
     Options = SoftCapOptions
     modifies_logits = True
+    keeps_model_qk_norm = True  # it caps the logits of whatever q and k the model makes
 
     def __init__(self, shape: AttnShape, opts: SoftCapOptions) -> None:
         super().__init__(shape, opts)

@@ -12,7 +12,7 @@ from qklab.config import ModelConfig, QKConfig
 from qklab.model.attention import Attention, KVCache
 from qklab.model.loss import cross_entropy
 from qklab.model.mla import LatentCache, MLAttention
-from qklab.model.rope import Rope
+from qklab.model.rope import Rope, Yarn
 
 
 class SwiGLU(nn.Module):
@@ -51,7 +51,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        self.rope = Rope(cfg.max_seq_len, cfg.rope_theta, cfg.yarn)
+        self.rope = Rope(cfg.max_seq_len, cfg.rope_theta, Yarn.from_config(cfg))
         self.init_weights()
 
     @torch.no_grad()
@@ -158,6 +158,11 @@ class GPT(nn.Module):
             if i + 1 < max_new_tokens:
                 logits, _ = self(nxt, caches=caches)
         return torch.cat(out, dim=1)
+
+    def attention_layers(self) -> list[nn.Module]:
+        """The attention layers, first block first: what controllers act on and diagnostics measure (a model
+        wrapped by ``qklab.attach`` answers the same question for its own layers)."""
+        return [b.attn for b in self.blocks]
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -48,7 +48,7 @@ from qklab.config import ConfigError
 from qklab.methods import METHODS, AttnShape, QKMethod
 from qklab.model.attention import KVCache, MaxLogitTracker, causal_mask, head_max_logit, sdpa_causal
 from qklab.model.flex import flex_causal_with_max, flex_usable
-from qklab.model.rope import Rope
+from qklab.model.rope import Rope, Yarn
 
 LATENT_PATHS = ("auto", "absorbed", "materialised")
 ABSORB_MAX_T = 8  # "auto": chunks of up to this many new tokens decode absorbed (docs/mla.md)
@@ -128,7 +128,8 @@ class MLAttention(nn.Module, MaxLogitTracker):
         self.wuv = nn.Linear(R, H * d.v, bias=False)
         self.wo = nn.Linear(H * d.v, C, bias=False)
         self.impl = cfg.attn_impl
-        self.softmax_mscale = cfg.yarn.softmax_mscale() if cfg.yarn else 1.0  # YaRN (DeepSeek)
+        yarn = Yarn.from_config(cfg)
+        self.softmax_mscale = yarn.softmax_mscale() if yarn else 1.0  # YaRN (DeepSeek)
         self.latent_path = "auto"  # auto | absorbed | materialised, for LatentCache decoding
         self.capture: dict[str, torch.Tensor] | None = None
         self.init_tracker(self.n_heads)  # QK-clip's per-head max logit (materialised path)

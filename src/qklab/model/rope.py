@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from qklab.config import ModelConfig
 
 
 def _mscale(factor: float, m: float = 1.0) -> float:
@@ -30,6 +34,14 @@ class Yarn:
     beta_slow: float = 1.0  # pairs turning less often than this are fully interpolated
     mscale: float = 0.0  # 0: unset; with mscale_all_dim, attention factor mscale(f, mscale) / mscale(f, mscale_all_dim)
     mscale_all_dim: float = 0.0  # 0: unset; else the softmax scale is multiplied by mscale(f, mscale_all_dim)^2
+
+    @classmethod
+    def from_config(cls, m: ModelConfig) -> Yarn | None:
+        """The YaRN settings of a ``ModelConfig``, or None without rope scaling."""
+        if m.rope_scaling != "yarn":
+            return None
+        orig = m.yarn_original_max_len or int(m.max_seq_len / m.yarn_factor)
+        return cls(m.yarn_factor, orig, m.yarn_beta_fast, m.yarn_beta_slow, m.yarn_mscale, m.yarn_mscale_all_dim)
 
     def attention_factor(self) -> float:
         """Multiplier of the cos/sin tables (so of both rotated q and k)."""

@@ -106,10 +106,6 @@ class DistContext:
         tdist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def barrier(self) -> None:
-        if self.active:
-            tdist.barrier()
-
     def _comm_device(self) -> torch.device:
         nccl = tdist.get_backend() == "nccl"
         return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")

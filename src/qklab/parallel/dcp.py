@@ -2,7 +2,7 @@
 
 A sharded checkpoint keeps the model and optimizer states in ``dcp/`` inside the checkpoint folder
 (``.metadata`` plus one ``__<rank>_0.distcp`` file per writing rank), beside the ``state.pt`` and
-``manifest.json`` of every checkpoint (``qklab.train.checkpoint``). Nothing is gathered: an FSDP2 rank
+``manifest.json`` of every checkpoint (``qklab.rundir.checkpoint``). Nothing is gathered: an FSDP2 rank
 writes the rows it holds, and a replicated tensor (DDP, or FSDP's whole vectors) is written once.
 
 DCP reshards on load. Each process asks for the tensors it holds (its shards under FSDP2, whole tensors

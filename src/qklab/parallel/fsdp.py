@@ -9,7 +9,7 @@ applies the same update everywhere. Controllers see the sharded matrices as DTen
 rows (``qklab.methods.headwise``), reducing per-head sums through the reduce function they are given.
 
 Checkpoints go through ``torch.distributed.checkpoint.state_dict``: ``full_state`` gathers the model and
-optimizer states into full, CPU tensors on rank 0 (the consolidated checkpoint of ``qklab.train.checkpoint``,
+optimizer states into full, CPU tensors on rank 0 (the consolidated checkpoint of ``qklab.rundir.checkpoint``,
 atomic with its manifest, loadable by any number of processes), and ``load_full`` gives every rank its
 shards back.
 """
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qklab.methods.headwise import is_sharded
+from qklab.methods.shards import is_sharded
 from qklab.parallel.context import DistContext
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-from qklab.methods.headwise import is_sharded, local_rows
+from qklab.methods.shards import is_sharded, local_rows
 
 
 class ShardedMuon(torch.optim.Muon):

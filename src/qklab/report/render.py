@@ -9,7 +9,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from qklab.config import ConfigError
+from qklab.errors import ReportError
 from qklab.report.claims import claims_table
 from qklab.report.figures import draw, figure_data, variant_name
 from qklab.report.probes import probes_tables
@@ -18,10 +18,6 @@ from qklab.study.result import DIVERGENCE_RULE, write_json_atomic
 from qklab.study.stats import fmt_ci, fmt_mean_std
 
 Table = tuple[list[str], list[list[str]]]
-
-
-class ReportError(ConfigError):
-    """Nothing to report (no result files); one line for the user."""
 
 
 def results_table(groups: list[dict]) -> Table:

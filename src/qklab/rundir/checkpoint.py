@@ -31,6 +31,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from qklab.atomic import atomic_write_text, fsync_dir, fsync_file, pid_alive
+from qklab.errors import CheckpointError
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -40,10 +41,6 @@ WEIGHTS, STATE, SHARDS = FILES[0], FILES[1], "dcp/.metadata"  # SHARDS: a sharde
 __all__ = ["CheckpointError", "atomic_write_text", "save_checkpoint", "latest_checkpoint", "newest_usable",
            "load_checkpoint", "read_state", "load_weights", "verify_checkpoint", "complete_checkpoints",
            "remove_stale_temps", "new_staging_dir", "is_sharded"]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used (damaged, incomplete, or not matching the model); one line."""
 
 
 def _sha256(path: Path) -> str:

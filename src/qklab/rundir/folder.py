@@ -12,20 +12,12 @@ import os
 import shutil
 from pathlib import Path
 
-from qklab.config import ConfigError
+from qklab.errors import ConfigError, RunLockError
 
 LOCK = ".lock"
 # what a run folder may hold; --overwrite refuses to delete a folder holding anything else
 RUN_FILES = {LOCK, "config.json", "metrics.jsonl", "train.log", "ckpt", "probes.json", "probes", "tb", "wandb",
              "cell.json", "probe", "export"}  # probe: a study cell's probes of its final checkpoint
-
-
-class RunLockError(ConfigError):
-    """Another process is writing this run folder; ``holder`` is its pid as the lock file names it."""
-
-    def __init__(self, msg: str, holder: str = "unknown") -> None:
-        super().__init__(msg)
-        self.holder = holder
 
 
 class RunLock:

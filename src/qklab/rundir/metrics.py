@@ -23,6 +23,20 @@ def _clean(v: Any) -> Any:
     return v
 
 
+def flat_scalars(rec: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """Finite numbers of a (nested) record, keyed 'a/b'; 'step' and 'time' left out, lists skipped."""
+    out: dict[str, float] = {}
+    for k, v in rec.items():
+        key = f"{prefix}{k}"
+        if not prefix and k in ("step", "time"):
+            continue
+        if isinstance(v, dict):
+            out.update(flat_scalars(v, key + "/"))
+        elif isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+            out[key] = float(v)
+    return out
+
+
 class MetricsLog:
     def __init__(self, path: Path, truncate_after: int | None = None, trackers: list | None = None) -> None:
         """Open ``path`` for appending. On resume, ``truncate_after`` drops records logged after the
@@ -41,8 +55,6 @@ class MetricsLog:
         self._f.write(json.dumps(rec) + "\n")
         self._f.flush()
         if self.trackers:
-            from qklab.train.trackers import flat_scalars
-
             scalars = flat_scalars(rec)
             for t in self.trackers:
                 t.log(step, scalars)

@@ -1,6 +1,6 @@
 """The one checkpointer of a run: ``save(step, state)`` and ``restore()``, whatever the parallel mode.
 
-It owns the three formats (``qklab.train.checkpoint`` has the verified, atomic folder they share):
+It owns the three formats (``qklab.rundir.checkpoint`` has the verified, atomic folder they share):
 
     whole       one process or DDP: rank 0 writes the model's ``model.safetensors`` and the optimizer states
     gathered    FSDP2: the shards gathered into full CPU tensors on rank 0, written as one process writes
@@ -23,7 +23,7 @@ import torch
 from qklab.parallel import DistContext, load_sharded, save_sharded
 from qklab.parallel.dcp import DCP_DIR
 from qklab.parallel.strategy import Strategy
-from qklab.train.checkpoint import (
+from qklab.rundir.checkpoint import (
     complete_checkpoints,
     is_sharded,
     latest_checkpoint,

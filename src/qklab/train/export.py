@@ -20,7 +20,7 @@ def export_run(path: str | Path, out: str | Path) -> tuple[Path, int]:
     (its newest good checkpoint); returns the folder and the checkpoint's step."""
     import torch
 
-    from qklab.diagnostics.probe import load_model, load_run_config, resolve_target
+    from qklab.rundir.load import load_model, load_run_config, resolve_target
 
     target = resolve_target(path)
     cfg = load_run_config(target)

@@ -1,4 +1,5 @@
-"""What a run records about itself and where it runs: package versions, device, run name."""
+"""What a run decides before it starts: its name, its device, whether a resume may continue, and the
+package versions it records."""
 
 from __future__ import annotations
 

@@ -9,25 +9,10 @@ metrics.jsonl stays the record of the run. Per-head lists are summarised by thei
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 from qklab.config import ConfigError
-
-
-def flat_scalars(rec: dict[str, Any], prefix: str = "") -> dict[str, float]:
-    """Finite numbers of a (nested) record, keyed 'a/b'; 'step' and 'time' left out, lists skipped."""
-    out: dict[str, float] = {}
-    for k, v in rec.items():
-        key = f"{prefix}{k}"
-        if not prefix and k in ("step", "time"):
-            continue
-        if isinstance(v, dict):
-            out.update(flat_scalars(v, key + "/"))
-        elif isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
-            out[key] = float(v)
-    return out
 
 
 class TensorBoardTracker:

@@ -17,29 +17,29 @@ import torch
 from tqdm import tqdm
 
 from qklab.atomic import atomic_write_text
-from qklab.config import ConfigError, RunConfig, comparable
-from qklab.data import DataError, PreparedData, TokenLoader, prepare_data
+from qklab.config import RunConfig, comparable
+from qklab.data import PreparedData, TokenLoader, prepare_data
 from qklab.data.retrieval import train_loader
 from qklab.diagnostics.monitor import AttentionMonitor
 from qklab.diagnostics.stability import NonFiniteError, SpikeDetector
+from qklab.errors import ConfigError, UserError
 from qklab.methods import CONTROLLERS
 from qklab.model import GPT
 from qklab.model.flex import causal_block_mask
 from qklab.parallel import DistContext
 from qklab.parallel.strategy import strategy
-from qklab.train.checkpoint import CheckpointError
+from qklab.rundir.folder import FollowerFolder, RunFolder
+from qklab.rundir.metrics import MetricsLog, NoMetrics
 from qklab.train.checkpointer import Checkpointer
 from qklab.train.evaluate import eval_loss, max_attention_logits
-from qklab.train.metrics import MetricsLog, NoMetrics
 from qklab.train.optim import build_optimizer, lr_mult, set_lr
-from qklab.train.runfolder import FollowerFolder, RunFolder
-from qklab.train.runinfo import check_resume_config, pick_device, run_name, versions
 from qklab.train.signals import RunInterrupted, StopSignals
+from qklab.train.startup import check_resume_config, pick_device, run_name, versions
 from qklab.train.trackers import build_trackers
 from qklab.version import git_sha
 
-# mistakes the user can fix, reported in one line; any other exception is a bug in qklab
-USER_ERRORS = (ConfigError, DataError, CheckpointError, OSError, NonFiniteError, RunInterrupted)
+# how a run may end without a bug: the user's to fix (one line), a non-finite stop, a signal
+EXPECTED = (UserError, OSError, NonFiniteError, RunInterrupted)
 
 
 @dataclass
@@ -56,12 +56,12 @@ class TrainResult:
 class Trainer:
     def __init__(self, cfg: RunConfig, resume: bool = False, overwrite: bool = False,
                  data: PreparedData | None = None, log=print) -> None:
-        self.cfg, self.log = cfg, log
+        self.cfg, self.echo = cfg, log  # echo: how a line reaches the user (print)
         self.run_dir = Path(cfg.train.out_dir) / run_name(cfg)
         self.ckpt_dir = self.run_dir / "ckpt"
         self.dist = DistContext.start(cfg.train.parallel, cfg.train.device)  # rank 0 alone writes and logs
         if not self.dist.is_main:
-            self.log = lambda msg: None
+            self.echo = lambda msg: None
         try:  # locked: one writer at a time
             self.folder = RunFolder(self.run_dir, overwrite=overwrite and not resume) if self.dist.is_main \
                 else FollowerFolder()
@@ -80,8 +80,8 @@ class Trainer:
                 raise failed
             self.wrap()
         except BaseException as e:
-            if isinstance(e, Exception) and not isinstance(e, USER_ERRORS):  # a bug: keep its story in the log
-                self._say(f"failed to start: {type(e).__name__}: {e}\n{traceback.format_exc()}", echo=False)
+            if isinstance(e, Exception) and not isinstance(e, EXPECTED):  # a bug: keep its story in the log
+                self._log_line(f"failed to start: {type(e).__name__}: {e}\n{traceback.format_exc()}", echo=False)
                 e.add_note(f"run log: {self.run_dir / 'train.log'}")
                 self.folder.release()
             else:  # nothing half-made stays behind: the lock goes, a folder made just now too
@@ -90,7 +90,7 @@ class Trainer:
             raise
 
     def _build(self, resume: bool, overwrite: bool, data: PreparedData | None) -> None:
-        cfg, log, t = self.cfg, self.log, self.cfg.train
+        cfg, t = self.cfg, self.cfg.train
         if t.threads:
             torch.set_num_threads(t.threads)
         self.device = self.dist.device(pick_device(t.device))
@@ -100,7 +100,7 @@ class Trainer:
             torch.set_flush_denormal(True)
         if self.dist.is_main:
             Checkpointer.clean(self.ckpt_dir)  # left by a killed writer or a full disk; frees the space first
-        found = Checkpointer.find(self.ckpt_dir, warn=self._say) if resume else None
+        found = Checkpointer.find(self.ckpt_dir, warn=self._log_line) if resume else None
         if resume and found is None:
             raise ConfigError(f"--resume: no usable checkpoint in {self.ckpt_dir}; start the run without --resume")
         if found is not None:
@@ -109,7 +109,7 @@ class Trainer:
             raise ConfigError(f"run folder {self.run_dir} already has checkpoints; pass --resume to continue "
                               "it, --overwrite to start again, or set train.name")
 
-        self.data = data or prepare_data(cfg.data, log=log)
+        self.data = data or prepare_data(cfg.data, log=self.echo)
         if cfg.model.vocab_size == 0:
             cfg.model.vocab_size = self.data.vocab_size
         elif cfg.model.vocab_size < self.data.vocab_size:
@@ -142,11 +142,11 @@ class Trainer:
         self._bar = None  # the progress bar while run() runs
         if found is not None:
             self._restore(*found)
-            self._say(f"resumed {self.run_dir} at step {self.step} from {found[0].name}")
+            self._log_line(f"resumed {self.run_dir} at step {self.step} from {found[0].name}")
         elif overwrite:
             self.folder.clear()  # only now: a run that fails to start leaves the old one intact
         if found is None:  # with "resumed" and "ended" lines, the log tells how long each part took
-            self._say(f"started {self.run_dir} ({self.dist.world} process(es) on {self.device})", echo=False)
+            self._log_line(f"started {self.run_dir} ({self.dist.world} process(es) on {self.device})", echo=False)
         if not self.dist.is_main:
             self.metrics = NoMetrics()
             return
@@ -172,12 +172,12 @@ class Trainer:
                 "versions": versions(), "n_params": self.model.num_params(), "device": str(self.device)}
         atomic_write_text(self.run_dir / "config.json", json.dumps(info, indent=2) + "\n")
 
-    def _say(self, msg: str, echo: bool = True) -> None:
-        """A message for the user (``echo``), kept in the run's log (train.log) either way."""
+    def _log_line(self, msg: str, echo: bool = True) -> None:
+        """A line kept in the run's log (train.log), and shown to the user too when ``echo``."""
         if not self.dist.is_main:
             return
         if echo:
-            self.log(msg)
+            self.echo(msg)
         with contextlib.suppress(OSError), open(self.run_dir / "train.log", "a") as f:
             f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
 
@@ -290,7 +290,7 @@ class Trainer:
             spike = self.spikes.update(loss)
             if spike is not None:
                 self.metrics.log(s, event="loss_spike", **spike)
-                self._note(f"step {s}: loss spike {loss:.3f}, {spike['sigmas']:.1f} sigma above the window")
+                self._echo(f"step {s}: loss spike {loss:.3f}, {spike['sigmas']:.1f} sigma above the window")
         return out
 
     def _nonfinite(self, loss: float, gnorm: float, step: int) -> None:
@@ -302,7 +302,7 @@ class Trainer:
                                  "no weights of that step or later were saved (train.nonfinite=stop). Last good "
                                  f"checkpoint: {self.checkpointer.latest() or 'none'}; lower train.lr or set "
                                  "train.nonfinite=skip, then continue with --resume")
-        self.log(f"step {step}: non-finite {what}; step skipped (train.nonfinite=skip)")
+        self._echo(f"step {step}: non-finite {what}; step skipped (train.nonfinite=skip)")
 
     def evaluate(self) -> dict[str, float]:
         val = eval_loss(self.model, self.val_batches, self.device, self.autocast)
@@ -352,7 +352,7 @@ class Trainer:
                     rec.update(last)
                     if end:  # the report split is read once, at the end
                         rec["report_loss"] = eval_loss(self.model, self.report_batches, self.device, self.autocast)
-                    self._note(f"step {self.step}: val_loss {last['val_loss']:.4f}  "
+                    self._echo(f"step {self.step}: val_loss {last['val_loss']:.4f}  "
                                f"max_logit {last['max_logit']:.2f}")
                 if at_diag:
                     rec["diag"] = self._diagnose()
@@ -365,8 +365,8 @@ class Trainer:
                 if synced:
                     t0, s0 = time.perf_counter(), self.step
         except Exception as e:  # the whole story goes to the run's log; the CLI prints one line or the traceback
-            trace = "" if isinstance(e, USER_ERRORS) else "\n" + traceback.format_exc()
-            self._say(f"ended at step {self.step}: {type(e).__name__}: {e}{trace}", echo=False)
+            trace = "" if isinstance(e, EXPECTED) else "\n" + traceback.format_exc()
+            self._log_line(f"ended at step {self.step}: {type(e).__name__}: {e}{trace}", echo=False)
             e.add_note(f"run log: {self.run_dir / 'train.log'}")
             raise
         finally:
@@ -377,15 +377,16 @@ class Trainer:
         if not last:
             last = self.evaluate()
         steady = tps_hist[len(tps_hist) // 5 :] or tps_hist or [0.0]
-        self._say(f"done at step {self.step}: val_loss {last['val_loss']:.4f}, skipped {self.skipped} steps",
+        self._log_line(f"done at step {self.step}: val_loss {last['val_loss']:.4f}, skipped {self.skipped} steps",
                   echo=False)
         return TrainResult(self.run_dir, last["val_loss"], last["max_logit"], float(np.median(steady)), self.step,
                            self.skipped, self.dist.is_main)
 
-    def _note(self, msg: str) -> None:
-        """A message beside the progress bar while run() runs (else through log); rank 0 speaks for the run."""
+    def _echo(self, msg: str) -> None:
+        """A line for the user beside the progress bar while run() runs (else through echo), not kept in
+        train.log; rank 0 speaks for the run."""
         if self.dist.is_main:
-            (self._bar.write if self._bar is not None else self.log)(msg)
+            (self._bar.write if self._bar is not None else self.echo)(msg)
 
     def _stop_on_signal(self, name: str, signum: int) -> None:
         path = self.save() if self._saved_at != self.step else self.ckpt_dir / f"step_{self.step:07d}"

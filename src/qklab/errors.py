@@ -1,0 +1,52 @@
+"""Every error qklab raises for something the user can fix: one line, printed without a traceback, exit 2.
+
+    UserError
+        ConfigError       a config value, a study file, a command-line option (config.py, study/)
+            ProbeError    a bad option or input of ``qklab probe``
+            ReportError   nothing to report
+        DataError         the data settings or the data itself (data/)
+        CheckpointError   a checkpoint that cannot be used: damaged, incomplete, not this model's (rundir/)
+        RunFolderError    a path that is no run folder or checkpoint, or a run that does not load (rundir/)
+        RunLockError      another process is writing this run folder (rundir/)
+
+What is not here is not the user's: a non-finite stop (``diagnostics.stability.NonFiniteError``, exit 1),
+a signal (``train.signals.RunInterrupted``, exit 128 + N), and anything else, which is a bug in qklab.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A mistake or a damaged input the user can fix; the message is one line."""
+
+
+class ConfigError(UserError, ValueError):
+    """A user mistake in a config; the message is one line, printed without a traceback."""
+
+
+class ProbeError(ConfigError):
+    """Bad input to ``qklab probe``."""
+
+
+class ReportError(ConfigError):
+    """Nothing to report (no result files)."""
+
+
+class DataError(UserError, ValueError):
+    """A problem with the data settings or the data itself, explained in one line."""
+
+
+class CheckpointError(UserError, ValueError):
+    """A checkpoint that cannot be used (damaged, incomplete, or not matching the model)."""
+
+
+class RunFolderError(UserError):
+    """A path that is no run folder or checkpoint, or a run whose config or weights do not load."""
+
+
+class RunLockError(UserError):
+    """Another process is writing this run folder; ``holder`` is its pid as the lock file names it."""
+
+    def __init__(self, msg: str, holder: str = "unknown") -> None:
+        super().__init__(msg)
+        self.holder = holder

@@ -1,0 +1,82 @@
+"""The rooms of the package and which way imports may run (docs/architecture.md): a module imports only
+from its own room or a lower one, lazy imports inside functions included, so no arrow runs back up."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import qklab
+
+SRC = Path(qklab.__file__).parent
+
+# lowest first; a room may import from its own rank and below
+RANKS = {
+    "atomic": 0, "version": 0, "errors": 0,
+    "methods": 1, "data": 1,
+    "config": 2,
+    "model": 3,
+    "parallel": 4,
+    "rundir": 5,
+    "diagnostics": 6,
+    "train": 7,
+    "study": 8,
+    "report": 9,
+    "hf": 10,
+    "cli": 11, "__main__": 11,
+}
+
+
+def _room(module: str) -> str | None:
+    """'qklab.train.trainer' -> 'train'; the package itself (its lazy ``qklab.attach``) is the façade."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "qklab" and len(parts) > 1 else None
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every qklab import in the file, at any depth."""
+    out = []
+    pkg = ".".join(("qklab", *path.relative_to(SRC).with_suffix("").parts))
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.startswith("qklab.")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = pkg.split(".")[: -node.level] if path.name != "__init__.py" else pkg.split(".")[: 1 - node.level]
+                mod = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                mod = node.module or ""
+            if mod == "qklab":  # from qklab import parallel (a room), or __version__ (the package's own)
+                out += [(node.lineno, f"qklab.{a.name}") for a in node.names if a.name in RANKS]
+            elif mod.startswith("qklab."):
+                out.append((node.lineno, mod))
+    return out
+
+
+def test_every_room_is_ranked():
+    rooms = {p.stem if p.is_file() else p.name for p in SRC.iterdir()
+             if (p.suffix == ".py" and p.name != "__init__.py") or (p.is_dir() and (p / "__init__.py").is_file())}
+    assert rooms == set(RANKS), f"rank the new rooms in RANKS: {sorted(rooms ^ set(RANKS))}"
+
+
+def test_no_import_runs_from_a_lower_room_to_a_higher_one():
+    wrong = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC)
+        if rel == Path("__init__.py"):
+            continue
+        here = rel.parts[0].removesuffix(".py")
+        for line, mod in _imports(path):
+            there = _room(mod)
+            if there is not None and there != here and RANKS[there] > RANKS[here]:
+                wrong.append(f"{rel}:{line} ({here}) imports {mod} ({there})")
+    assert not wrong, "imports that run up:\n" + "\n".join(wrong)
+
+
+def test_train_and_diagnostics_do_not_import_each_other():
+    def uses(room: str, other: str) -> list[str]:
+        return [f"{p.relative_to(SRC)}:{ln}" for p in (SRC / room).rglob("*.py")
+                for ln, m in _imports(p) if _room(m) == other]
+
+    assert not uses("diagnostics", "train")
+    assert uses("train", "diagnostics")  # the trainer measures; the readers meet it in rundir/
