@@ -82,6 +82,10 @@ class ModelConfig:
     qk_init_std: float = _key(0.0, _at_least(0, " (0: the QK method's own init rule), e.g. 1/sqrt(d_model)"))
     attn_impl: Literal["auto", "sdpa", "eager"] = "auto"
     attention: Literal["mha", "mla"] = "mha"  # mha (MHA/GQA, see n_kv_heads) | mla (latent attention, docs/mla.md)
+    # gated attention (arXiv 2505.06708): each head's output times sigmoid(W_g x), x the block's normalised
+    # input, before W_O; head: one gate per head, element: one per output feature; none: no gate
+    attn_gate: Literal["none", "head", "element"] = "none"
+    attn_sink: bool = False  # a learnable per-head logit in the softmax denominator (gpt-oss's sinks)
     q_rank: int = _key(0, _MLA_WIDTH)  # MLA query latent width; 0: no query latent (queries from x)
     kv_rank: int = _key(0, _MLA_WIDTH)  # MLA key/value latent width; 0: 2 * head_dim
     nope_dim: int = _key(0, _MLA_WIDTH)  # MLA per-head q/k width without RoPE; 0: head_dim
@@ -150,6 +154,8 @@ class TrainConfig:
     beta1: float = _key(0.9, _between(0, 1, hi_open=True, note=", e.g. 0.9"))
     beta2: float = _key(0.95, _between(0, 1, hi_open=True, note=", e.g. 0.95"))
     muon_momentum: float = _key(0.95, _between(0, 1, hi_open=True, note=", e.g. 0.95"))
+    # Muon only: Newton-Schulz per attention head on W_Q, W_K (qkv: and W_V; MLA: the per-head up-projections)
+    muon_per_head: Literal["none", "qk", "qkv"] = "none"
     schedule: Literal["cosine", "constant"] = "cosine"  # both after a linear warmup
     warmup_steps: int = _key(20, _at_least(0))
     min_lr_ratio: float = _key(0.1, _between(0, 1))

@@ -516,3 +516,87 @@ def test_quack_gains_fold_rmsnorm_gains_into_the_norms(mla):
         torch.testing.assert_close(f["wuk"], want_uk.detach(), rtol=1e-5, atol=0)
     plain = QuacK(model, [], QuacKOptions()).factors()[1]  # without gains: built now, so all 1
     assert all(torch.allclose(v, torch.ones_like(v)) for v in plain.values())
+
+
+# --- what a controller logs: the per-head factors and update norms it applied -------------------------
+
+
+def _rows_scaled(model, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.mul_(torch.rand(p.shape[0], 1, generator=g) * 2 + 0.3)
+
+
+@pytest.mark.parametrize("name, optimizer, mla", [("quack", "muon", False), ("quack", "adamw", True),
+                                                  ("qk_lr_multiplier", "adamw", True),
+                                                  ("compositional", "adamw", False), ("compositional", "muon", True)])
+def test_logged_factors_and_update_norms_are_those_applied(name, optimizer, mla):
+    """One step with the controller and one without on a copy: per head, the ratio of the two changes is
+    the logged factor and the norm of the controlled change the logged update norm."""
+    from qklab.methods import CONTROLLERS
+
+    model = _mla() if mla else tiny_gpt(n_kv_heads=2)
+    cfg = TrainConfig(optimizer=optimizer, lr=0.02 if optimizer == "muon" else 1e-2, weight_decay=0.1)
+    opts = build_optimizer(model, cfg)
+    ctrl = CONTROLLERS[name](model, opts, CONTROLLERS[name].Options())
+    _rows_scaled(model)  # after QuacK's phi at init: its factors move away from tau
+    ref = copy.deepcopy(model)
+    ref_opts = build_optimizer(ref, cfg)
+    _grads(model), _grads(ref)
+    before = [{k: getattr(a, k).weight.detach().clone() for k in ("wq", "wk", "wuq", "wuk", "wqr", "wkr", "wdkv")
+               if hasattr(a, k)} for a in model.attention_layers()]
+    _step(model, opts, ctrl)
+    for o in ref_opts:
+        o.step()
+    m = ctrl.metrics()
+    seen = 0
+    for i, (a, r) in enumerate(zip(model.attention_layers(), ref.attention_layers(), strict=True)):
+        for k, old in before[i].items():
+            if f"{name}_{k}" not in m:
+                continue
+            f, norms = torch.tensor(m[f"{name}_{k}"][i]), torch.tensor(m[f"{name}_update_{k}"][i])
+            heads = len(f)
+            d_ctrl = (getattr(a, k).weight.detach() - old).view(heads, -1)
+            d_plain = (getattr(r, k).weight.detach() - old).view(heads, -1)
+            applied = (d_ctrl * d_plain).sum(1) / d_plain.pow(2).sum(1)
+            torch.testing.assert_close(applied, f, rtol=1e-4, atol=0, msg=lambda s, k=k: f"{name} {k}: {s}")
+            torch.testing.assert_close(d_ctrl.norm(dim=1), norms, rtol=1e-4, atol=0)
+            seen += 1
+    assert seen >= 4
+    if name != "qk_lr_multiplier":
+        assert len({round(x, 5) for layer in m[f"{name}_wk" if not mla else f"{name}_wuk"] for x in layer}) > 1
+
+
+def test_qkclip_logs_the_weight_factors_and_changes_it_applied():
+    model = tiny_gpt(n_kv_heads=2)
+    w0 = {}
+
+    def blow(m):
+        _blow_q([0, 3], 300.0)(m)
+        w0.update({(i, k): getattr(b.attn, k).weight.detach().clone() for i, b in enumerate(m.blocks)
+                   for k in ("wq", "wk")})
+
+    tau = 5.0
+    model.train()
+    with torch.no_grad():
+        blow(model)
+    x = torch.randint(0, 97, (2, 32))
+    (opt,) = build_optimizer(model, TrainConfig(lr=0.0, weight_decay=0.0))
+    ctrl = QKClip(model, [opt], QKClipOptions(tau_clip=tau))
+    _, loss = model(x, x)
+    loss.backward()
+    s_max = torch.stack([b.attn.max_logit.clone() for b in model.blocks])
+    _step(model, [opt], ctrl)
+    m = ctrl.metrics()
+    want_g = torch.where(s_max > tau, tau / s_max, torch.ones_like(s_max))
+    torch.testing.assert_close(torch.tensor(m["qkclip_g"]), want_g)
+    for i, b in enumerate(model.blocks):
+        for k, heads in (("wq", 4), ("wk", 2)):
+            f = torch.tensor(m[f"qkclip_{k}"][i])
+            old, new = w0[(i, k)].view(heads, -1), getattr(b.attn, k).weight.detach().view(heads, -1)
+            torch.testing.assert_close(new, old * f.view(-1, 1))
+            torch.testing.assert_close(torch.tensor(m[f"qkclip_update_{k}"][i]), (new - old).norm(dim=1),
+                                       rtol=1e-4, atol=1e-6)
+    assert (torch.tensor(m["qkclip_wq"]) < 1).any()

@@ -99,3 +99,105 @@ def test_qkmap_parameters_get_their_own_group(optimizer):
     # schedule: the group keeps its multiplier
     set_lr(opts, 0.5)
     assert own["lr"] == pytest.approx(0.5 * 4.0 * adam_lr)
+
+
+# --- per-head Muon (train.muon_per_head) -------------------------------------------------------------
+
+
+def _mla_gpt():
+    from qklab.config import ModelConfig, QKConfig
+    from qklab.model import GPT
+
+    cfg = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, max_seq_len=64, attention="mla",
+                      q_rank=24, kv_rank=16, nope_dim=8, rope_dim=8, v_dim=8)
+    return GPT(cfg, QKConfig()).eval()
+
+
+def _per_head_names(mla: bool, which: str) -> dict[str, int]:
+    """Suffix of each per-head matrix -> its number of heads (tiny_gpt: 4 heads; GQA: 2 KV heads)."""
+    if mla:
+        return {"wuq": 4, "wuk": 4, "wqr": 4, **({"wuv": 4} if which == "qkv" else {})}
+    return {"wq": 4, "wk": 2, **({"wv": 2} if which == "qkv" else {})}
+
+
+@pytest.mark.parametrize("mla, which", [(False, "qk"), (False, "qkv"), (True, "qkv")])
+def test_per_head_muon_equals_torch_muon_on_each_head_slice(mla, which):
+    """Two steps of the per-head Muon: every head's block of W_Q, W_K (W_V) equals a torch.optim.Muon built
+    on that block alone (its own shape, so its own match_rms_adamw rate); every other matrix equals torch's
+    Muon on the whole matrix, bit for bit."""
+    model = _mla_gpt() if mla else tiny_gpt(n_kv_heads=2)
+    lr, wd = 0.02, 0.1
+    muon, _ = build_optimizer(model, TrainConfig(optimizer="muon", lr=lr, weight_decay=wd, muon_per_head=which))
+    names = muon.param_groups[0]["param_names"]
+    w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads = [{n: torch.randn_like(p) for n, p in model.named_parameters()} for _ in range(2)]
+    refs: dict[str, list[torch.nn.Parameter]] = {}
+    ref_opts = []
+    heads = _per_head_names(mla, which)
+    for n in names:
+        kind = n.split(".")[-2]
+        blocks = w0[n].chunk(heads[kind]) if kind in heads else [w0[n]]
+        refs[n] = [torch.nn.Parameter(b.clone()) for b in blocks]
+        ref_opts.append(torch.optim.Muon(refs[n], lr=lr, weight_decay=wd, momentum=0.95,
+                                         adjust_lr_fn="match_rms_adamw"))
+    params = dict(model.named_parameters())
+    for g in grads:
+        for n in names:
+            params[n].grad = g[n].clone()
+            for b, gb in zip(refs[n], g[n].chunk(len(refs[n])), strict=True):
+                b.grad = gb.clone()
+        muon.step()
+        for o in ref_opts:
+            o.step()
+    split = 0
+    for n in names:
+        want = torch.cat([b.detach() for b in refs[n]])
+        if len(refs[n]) > 1:
+            split += 1
+            torch.testing.assert_close(params[n].detach(), want, atol=1e-6, rtol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+        else:
+            assert torch.equal(params[n].detach(), want), n
+    assert split == 2 * len(heads)  # every per-head matrix of both layers was split
+
+
+def test_per_head_muon_default_is_torch_muon():
+    model = tiny_gpt()
+    muon, _ = build_optimizer(model, TrainConfig(optimizer="muon", lr=0.02))
+    assert type(muon) is torch.optim.Muon and "head_rows" not in muon.param_groups[0]
+    muon, _ = build_optimizer(model, TrainConfig(optimizer="muon", lr=0.02, muon_per_head="qk"))
+    rows = dict(zip(muon.param_groups[0]["param_names"], muon.param_groups[0]["head_rows"], strict=True))
+    assert rows["blocks.0.attn.wq.weight"] == 16 and rows["blocks.0.attn.wk.weight"] == 16
+    assert rows["blocks.0.attn.wv.weight"] == 0 and rows["blocks.1.mlp.w2.weight"] == 0
+
+
+def test_per_head_muon_rate_is_adjusted_on_the_head_shape():
+    """The documented rate: head h of a (H rows, C) matrix steps by -0.2 lr sqrt(max(rows, C)) NS(M_h),
+    NS torch's Newton-Schulz of the head's Nesterov momentum. MLA's W_uk (4 heads x 8 rows, 16 columns)
+    therefore steps at sqrt(16 / 32) of the packed matrix's rate 0.2 lr sqrt(max(32, 16))."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    model = _mla_gpt()
+    lr = 0.02
+    muon, _ = build_optimizer(model, TrainConfig(optimizer="muon", lr=lr, weight_decay=0.0, muon_per_head="qk"))
+    w = model.blocks[0].attn.wuk.weight
+    w0 = w.detach().clone()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    g = torch.randn_like(w)
+    w.grad = g.clone()
+    muon.step()
+    nesterov = g.lerp(0.05 * g, 0.95)  # momentum buffer (1 - 0.95) g after one step, then the Nesterov mix
+    for h in range(4):
+        o = _zeropower_via_newtonschulz(nesterov[h * 8 : (h + 1) * 8], (3.4445, -4.7750, 2.0315), 5, 1e-7)
+        want = w0[h * 8 : (h + 1) * 8] - 0.2 * lr * math.sqrt(16) * o.float()
+        torch.testing.assert_close(w[h * 8 : (h + 1) * 8].detach(), want, atol=1e-6, rtol=1e-5)
+    assert math.sqrt(16) / math.sqrt(max(32, 16)) == pytest.approx(1 / math.sqrt(2))
+
+
+def test_per_head_muon_config_key():
+    from qklab.config import ConfigError, load_config
+
+    assert load_config("tiny", []).train.muon_per_head == "none"
+    assert load_config("tiny", ["train.muon_per_head=qkv"]).train.muon_per_head == "qkv"
+    with pytest.raises(ConfigError, match="muon_per_head"):
+        load_config("tiny", ["train.muon_per_head=heads"])

@@ -9,6 +9,11 @@ model switches to the ``"qklab"`` attention function and mask. What each method 
 * ``qkmap``: W_Q, W_K are rebuilt at the map's widths (new weights, the method's init: a pretrained
   W_Q/W_K does not carry over), the family's q/k norms are dropped (the map fixes the feature norm).
 * ``softcap``: logits capped before the mask; everything else (family norms included) stays.
+* ``quest``: keys normalised to the sphere, logits unscaled (the family's q/k norms are dropped).
+* ``ssmax``: q times s_h log(position id + 1) (left padding and the cache offset counted from the
+  position ids); the family's q/k norms stay in front of it.
+* ``qknorm`` variants (``q_gain``, ``stats``, ``gains``, ``p``): as in qklab's attention; per-head gains
+  start from a Qwen3 model's shared ones, tiled.
 * ``none``: returns the model untouched.
 
 DeepSeek-V2/V3 (MLA) layers get ``QKDeepSeekMixin``: the method maps the materialised per-head q and k as

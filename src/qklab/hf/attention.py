@@ -26,8 +26,13 @@ class HFRope:
     """qklab's ``Rope`` interface over transformers' precomputed tables: cos, sin (B, T, D) for the
     positions of this forward (left padding and the cache offset are already in them), rotate-half layout."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
         self.cos, self.sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D)
+        self.position_ids = position_ids  # (B | 1, T): what SSMax counts keys from (None: 0 .. T - 1)
+
+    def positions(self, x: torch.Tensor, pos: int = 0) -> torch.Tensor | None:
+        """The absolute positions (B | 1, T) of this forward's rows (None: unknown, the caller counts from pos)."""
+        return self.position_ids
 
     def __call__(self, x: torch.Tensor, pos: int = 0) -> torch.Tensor:
         if x.shape[-1] != self.cos.shape[-1]:
@@ -122,7 +127,8 @@ class QKAttentionMixin:
         v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         if getattr(self, "q_norm", None) is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = m.map_qk(q.transpose(1, 2), k.transpose(1, 2), HFRope(*position_embeddings), 0)  # (B, H|Hkv, T, F)
+        rope = HFRope(*position_embeddings, kwargs.get("position_ids"))
+        q, k = m.map_qk(q.transpose(1, 2), k.transpose(1, 2), rope, 0)  # (B, H|Hkv, T, F)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, qklab_attention)
@@ -136,12 +142,16 @@ class DeepSeekRope:
     """qklab's ``Rope`` interface on DeepSeek's trailing rope features: x (B, H, T, nope + rope); the rope
     part turns with the layer's own rotation (V2's complex one, V3's interleaved or rotate-half)."""
 
-    def __init__(self, module: nn.Module, position_embeddings) -> None:
+    def __init__(self, module: nn.Module, position_embeddings, position_ids: torch.Tensor | None = None) -> None:
         import sys
 
         family = next(c for c in type(module).__mro__ if c.__module__.startswith("transformers."))
         self.fns, self.pe, self.dim = sys.modules[family.__module__], position_embeddings, module.qk_rope_head_dim
         self.interleave = getattr(module.config, "rope_interleave", True)
+        self.position_ids = position_ids
+
+    def positions(self, x: torch.Tensor, pos: int = 0) -> torch.Tensor | None:
+        return self.position_ids
 
     def __call__(self, x: torch.Tensor, pos: int = 0) -> torch.Tensor:
         keep, rot = x.split([x.shape[-1] - self.dim, self.dim], dim=-1)
@@ -174,7 +184,7 @@ class QKDeepSeekMixin:
         kn, v = kv.split([n, dv], dim=-1)
         k = torch.cat([kn, kr.unsqueeze(1).expand(B, kn.shape[1], T, r)], dim=-1)  # (B, H, T, nope + rope)
         m = self.qk_method
-        q, k = m.map_qk(q, k, DeepSeekRope(self, position_embeddings), 0)
+        q, k = m.map_qk(q, k, DeepSeekRope(self, position_embeddings, kwargs.get("position_ids")), 0)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
         F_ = q.shape[-1]

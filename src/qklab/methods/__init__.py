@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from qklab.methods.base import AttnShape, QKController, QKMethod
+from qklab.methods.compositional import Compositional
 from qklab.methods.qk_lr_multiplier import QKLRMultiplier
 from qklab.methods.qkclip import QKClip
 from qklab.methods.qkmap import QKMap
 from qklab.methods.qknorm import QKNorm
 from qklab.methods.quack import QuacK
+from qklab.methods.quest import Quest
 from qklab.methods.softcap import SoftCap
+from qklab.methods.ssmax import SSMax
 from qklab.methods.standard import Standard
 
 # forward-side: name -> QKMethod subclass
@@ -17,6 +20,8 @@ METHODS: dict[str, type[QKMethod]] = {
     "qknorm": QKNorm,
     "softcap": SoftCap,
     "qkmap": QKMap,
+    "quest": Quest,
+    "ssmax": SSMax,
 }
 
 # optimizer-side: name -> QKController subclass
@@ -25,6 +30,7 @@ CONTROLLERS: dict[str, type[QKController]] = {
     "quack": QuacK,
     "qkclip": QKClip,
     "qk_lr_multiplier": QKLRMultiplier,
+    "compositional": Compositional,
 }
 
 __all__ = ["METHODS", "CONTROLLERS", "AttnShape", "QKMethod", "QKController"]

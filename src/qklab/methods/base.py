@@ -35,6 +35,17 @@ class Rope(Protocol):
     def window(self, x: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """cos, sin, signed sin (T, D) of the positions x covers from pos on."""
 
+    # optional: positions(x, pos) -> the absolute positions of x's T rows, (T,) or (B, T) (left padding);
+    # a method that needs them (SSMax: log n keys per query) calls ``positions_of`` below.
+
+
+def positions_of(rope: Rope, x: torch.Tensor, pos: int) -> torch.Tensor:
+    """Absolute positions of the T rows of x (B, H, T, D): ``rope.positions`` where the rope knows them
+    ((T,) or (B, T), e.g. the position ids of a left-padded transformers batch), else pos .. pos + T - 1."""
+    fn = getattr(rope, "positions", None)
+    out = fn(x, pos) if fn is not None else None
+    return out if out is not None else torch.arange(pos, pos + x.shape[-2], device=x.device)
+
 
 @dataclass(frozen=True)
 class AttnShape:

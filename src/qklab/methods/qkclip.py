@@ -24,8 +24,10 @@ from typing import Any
 
 import torch
 
+from qklab.methods.applied import head_norms, rows_head_sq
 from qklab.methods.base import QKController, QKMethod
 from qklab.methods.headwise import is_mla, logit_matrices
+from qklab.methods.shards import local_rows
 
 
 @dataclass
@@ -80,13 +82,17 @@ class QKClip(QKController):
         packed = torch.cat([s.to(s_all[0].device) for s in s_all])  # (sum of H,)
         if self.reduce is not None:
             packed = self.reduce(packed, "max")
-        gs = []
+        gs, applied = [], []
         for a, s_max in zip(self.attns, packed.split([len(s) for s in s_all]), strict=True):
             g = self.gains(s_max, a.qk)
             if not a.qk.clip_logits(g):
-                self.rescale(a, g, self.opts)
+                mats = logit_matrices(a)
+                # per matrix: (each head's factor f, the squared change (|f - 1| ||W_old||)^2, the matrix)
+                applied.append({k: (f, ((f - 1) / f).pow(2) * rows_head_sq(mats[k], local_rows(mats[k].weight)[0]),
+                                    mats[k]) for k, f in self.rescale(a, g, self.opts).items()})
             gs.append(g)
-        self.last = {"g": torch.cat(gs), "smax": packed}  # read on the host only by metrics()
+        # read on the host only by metrics()
+        self.last = {"g": torch.cat(gs), "smax": packed, "gains": gs, "applied": applied}
 
     def skip_step(self, step: int) -> None:
         for a in self.attns:  # a dropped step's logits must not decide the next clip
@@ -94,31 +100,35 @@ class QKClip(QKController):
 
     @staticmethod
     @torch.no_grad()
-    def rescale(attn, g: torch.Tensor, opts: QKClipOptions | None = None) -> None:
+    def rescale(attn, g: torch.Tensor, opts: QKClipOptions | None = None) -> dict[str, torch.Tensor]:
         """Scale the logit-path weights of ``attn`` so that head h's logits shrink by g[h] (exactly, except
-        the other query heads of a clipped GQA group under ``gqa=min``)."""
+        the other query heads of a clipped GQA group under ``gqa=min``); returns the per-head factor each
+        matrix's rows took: name -> (n_heads,)."""
         opts = opts or QKClipOptions()
         mats = logit_matrices(attn)
 
-        def scale(name: str, f: torch.Tensor) -> None:
-            mats[name].scale_heads(f)  # the rows this process holds (FSDP2 shards) or all of them
-
         if is_mla(attn):
-            scale("wuq", g.pow(opts.alpha))
-            scale("wuk", g.pow(1.0 - opts.alpha))
-            scale("wqr", g)
-            return
-        H, Hkv = mats["wq"].n_heads, mats["wk"].n_heads
-        gmin = g.view(Hkv, H // Hkv).amin(dim=1)  # (Hkv,)
-        scale("wk", gmin.sqrt())
-        if opts.gqa == "exact":
-            scale("wq", g / gmin.sqrt().repeat_interleave(H // Hkv))
+            factors = {"wuq": g.pow(opts.alpha), "wuk": g.pow(1.0 - opts.alpha), "wqr": g}
         else:
-            scale("wq", g.sqrt())
+            H, Hkv = mats["wq"].n_heads, mats["wk"].n_heads
+            gmin = g.view(Hkv, H // Hkv).amin(dim=1)  # (Hkv,)
+            fq = g / gmin.sqrt().repeat_interleave(H // Hkv) if opts.gqa == "exact" else g.sqrt()
+            factors = {"wq": fq, "wk": gmin.sqrt()}
+        for name, f in factors.items():
+            mats[name].scale_heads(f)  # the rows this process holds (FSDP2 shards) or all of them
+        return factors
 
     def metrics(self) -> dict[str, Any]:
         if not self.last:
             return {}
         g, smax = self.last["g"], self.last["smax"]
-        return {"qkclip_heads_clipped": int((g < 1).sum()), "qkclip_min_gain": min(1.0, g.min().item()),
+        out: dict[str, Any] = {"qkclip_g": [x.tolist() for x in self.last["gains"]]}  # logit gain, per layer, head
+        applied = self.last["applied"]  # layers whose weights were scaled (not a method's own parameters)
+        if applied:
+            items = [(k, f, sq, m) for layer in applied for k, (f, sq, m) in layer.items()]
+            norms = iter(head_norms([sq for _, _, sq, _ in items], [m for *_, m in items], self.reduce))
+            for k, f, _, _ in items:  # per layer: the factor each head's rows took, the norm of the change
+                out.setdefault(f"qkclip_{k}", []).append(f.tolist())
+                out.setdefault(f"qkclip_update_{k}", []).append(next(norms).tolist())
+        return {**out, "qkclip_heads_clipped": int((g < 1).sum()), "qkclip_min_gain": min(1.0, g.min().item()),
                 "qkclip_smax": smax.max().item()}

@@ -10,6 +10,15 @@ Coarser key granularities (they shrink what an MLA latent cache keeps per token,
 values per token); ``k_parts``: the nope and rope parts of an MLA key are normalised separately, and
 the rope part's RMS, that of the one shared rope key, is folded into the cached rope key (no extra
 value). Queries stay per head.
+
+Variants (options; the defaults are the QK-Norm above, computed exactly as before):
+* ``q_gain=false``: a parameter-free RMS on q, a learnable RMSNorm on k (DeepSeek-V4 style);
+* ``stats="flat"``: one statistic over all heads of a token (q over its H * d_head values, k over its
+  Hkv * d_head values) instead of one per head (MLA latent cache: one key scalar per token);
+* ``gains="head"``: a gain vector per head (q: H * d_head entries, k: Hkv * d_head) instead of one shared
+  by the heads (MLA: no latent cache, the rope part of each head's key would differ);
+* ``p`` (arXiv 2602.05006): an Lp statistic, x / (mean(|x|^p) + eps)^(1/p) (p = 2: the RMS), and with
+  p != 2 a learnable logit scale alpha (one per layer, init 1) on the query side.
 """
 
 from __future__ import annotations
@@ -28,12 +37,29 @@ class QKNormOptions:
     gain_init: float = 1.0  # initial value of every gain entry
     k_group: int = 1  # key heads sharing one key RMS (1: per head)
     k_parts: bool = False  # MLA: normalise the keys' nope and rope parts separately
+    q_gain: bool = True  # False: parameter-free RMS on q, learnable RMSNorm on k (DeepSeek-V4 style)
+    stats: str = "head"  # head | flat: one statistic per head, or over all of a token's heads together
+    gains: str = "shared"  # shared | head: one gain vector shared by the heads, or one per head
+    p: float = 2.0  # the statistic's norm: (mean |x|^p)^(1/p); p != 2 adds a learnable logit scale
 
     def validate(self) -> None:
         if self.gain_init <= 0:
             raise ValueError(f"qk.qknorm.gain_init must be > 0, got {self.gain_init}")
         if self.k_group < 1:
             raise ValueError(f"qk.qknorm.k_group must be >= 1, got {self.k_group}")
+        if self.stats not in ("head", "flat"):
+            raise ValueError(f"qk.qknorm.stats={self.stats!r}: use head or flat")
+        if self.gains not in ("shared", "head"):
+            raise ValueError(f"qk.qknorm.gains={self.gains!r}: use shared or head")
+        if not self.p >= 1:
+            raise ValueError(f"qk.qknorm.p must be >= 1 (a norm), got {self.p}")
+        if self.stats == "flat" and self.k_group != 1:
+            raise ValueError("qk.qknorm.stats=flat already takes one key statistic over all heads; leave k_group at 1")
+
+    @property
+    def plain(self) -> bool:
+        """The original QK-Norm (RMS, statistics per head, gains shared, on q and k)."""
+        return self.q_gain and self.stats == "head" and self.gains == "shared" and self.p == 2.0
 
 
 class _NormRotate(torch.autograd.Function):
@@ -80,7 +106,8 @@ class QKNorm(QKMethod):
     def adopt_qk_norm(self, q_norm: nn.Module, k_norm: nn.Module) -> None:
         with torch.no_grad():  # the family's own QK-Norm (Qwen3): its trained gains and eps carry over
             for ours, theirs in ((self.q_norm, q_norm), (self.k_norm, k_norm)):
-                ours.weight.copy_(theirs.weight)
+                if ours.weight is not None:  # per-head gains start from the shared ones, tiled
+                    ours.weight.copy_(theirs.weight.repeat(ours.weight.numel() // theirs.weight.numel()))
                 ours.eps = getattr(theirs, "variance_epsilon", getattr(theirs, "eps", ours.eps))
 
     def __init__(self, shape: AttnShape, opts: QKNormOptions) -> None:
@@ -91,23 +118,57 @@ class QKNorm(QKMethod):
         if opts.k_parts and not 0 < shape.rope_dim < shape.head_dim:
             raise ValueError("qk.qknorm.k_parts needs keys with a nope and a rope part (model.attention=mla)")
         self.latent_key_group, self.latent_key_parts = opts.k_group, opts.k_parts
-        self.q_norm = nn.RMSNorm(shape.head_dim, eps=opts.eps)
-        self.k_norm = nn.RMSNorm(shape.head_dim, eps=opts.eps)
+        if opts.stats == "flat":
+            self.latent_key_group = shape.n_kv_heads  # one key statistic per token
+        if opts.gains == "head":
+            self.latent_cache_ok = False  # a per-head gain on the rope part: the shared rope key would differ
+        # the gains live in nn.RMSNorm modules (per head: H * d_head entries, flat): 1-D, so no weight decay;
+        # only the plain QK-Norm calls the modules, the variants use their weights (``_gain``)
+        D, n_q, n_k = shape.head_dim, 1, 1
+        if opts.gains == "head":
+            n_q, n_k = shape.n_heads, shape.n_kv_heads
+        self.q_norm = nn.RMSNorm(n_q * D, eps=opts.eps, elementwise_affine=opts.q_gain)
+        self.k_norm = nn.RMSNorm(n_k * D, eps=opts.eps)
+        self.alpha = nn.Parameter(torch.ones(())) if opts.p != 2.0 else None  # Lp: the learnable logit scale
+
+    def _gain(self, norm: nn.RMSNorm, heads: int) -> torch.Tensor | None:
+        """A norm's gain as it multiplies (B, heads, T, D): (D,), (heads, 1, D) per head, or None."""
+        w = norm.weight
+        if w is None or self.opts.gains == "shared":
+            return w
+        return w.view(heads, 1, self.shape.head_dim)
+
+    def _inv_stat(self, sq: torch.Tensor) -> torch.Tensor:
+        """mean(|x|^p) -> 1 / (mean(|x|^p) + eps)^(1/p) (p = 2: the inverse RMS)."""
+        return torch.rsqrt(sq + self.opts.eps) if self.opts.p == 2.0 else (sq + self.opts.eps).pow(-1.0 / self.opts.p)
+
+    def _pow(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float().pow(2) if self.opts.p == 2.0 else x.float().abs().pow(self.opts.p)
+
+    def query_map(self, q: torch.Tensor) -> torch.Tensor:
+        """The variants' query map before RoPE: gain * q / stat(q) (flat: over all heads), times alpha."""
+        sq = self._pow(q)
+        ms = sq.mean(dim=(1, 3), keepdim=True) if self.opts.stats == "flat" else sq.mean(-1, keepdim=True)
+        out = q * self._inv_stat(ms).to(q.dtype)
+        g = self._gain(self.q_norm, self.shape.n_heads)
+        if g is not None:
+            out = g * out
+        return out if self.alpha is None else out * self.alpha.to(q.dtype)
 
     def key_inv_rms(self, k: torch.Tensor) -> torch.Tensor:
         """k (B, Hkv, T, D) -> inverse RMS (B, Hkv, T, 1), or (B, Hkv, T, D) constant on each part with
         ``k_parts``; equal within each group of ``k_group`` heads."""
         B, Hk, T, D = k.shape
-        sq = k.float().pow(2)
+        sq = self._pow(k)
         if self.opts.k_parts:
             r = self.shape.rope_dim
             ms = torch.stack([sq[..., : D - r].mean(-1), sq[..., D - r :].mean(-1)], dim=-1)  # (B, Hk, T, 2)
         else:
             ms = sq.mean(-1, keepdim=True)  # (B, Hk, T, 1)
-        g = self.opts.k_group
+        g = self.latent_key_group
         if g > 1:  # mean over the group's heads (every part has the same width in each head)
             ms = ms.view(B, Hk // g, g, T, -1).mean(2).repeat_interleave(g, dim=1)
-        inv = torch.rsqrt(ms + self.opts.eps)
+        inv = self._inv_stat(ms)
         if self.opts.k_parts:
             inv = inv.repeat_interleave(torch.tensor([D - self.shape.rope_dim, self.shape.rope_dim],
                                                      device=inv.device), dim=-1)  # (B, Hk, T, D)
@@ -115,6 +176,8 @@ class QKNorm(QKMethod):
 
     def map_qk(self, q, k, rope, pos):
         # q: (B, H, T, D), k: (B, Hkv, T, D); normalise over D (keys: per the granularity), then rotate
+        if not self.opts.plain:
+            return rope(self.query_map(q), pos), rope(self._key_map(k), pos)
         if self.opts.k_group == 1 and not self.opts.k_parts:
             # in the projections' own (B, T, H, D) layout, where the rows are contiguous (no copies)
             # the compiler fuses the composite itself; MLA's partial RoPE rotates a slice only
@@ -127,6 +190,10 @@ class QKNorm(QKMethod):
             return q.transpose(1, 2), k.transpose(1, 2)
         return rope(self.q_norm(q), pos), rope(self.k_norm.weight * k * self.key_inv_rms(k), pos)
 
+    def _key_map(self, k: torch.Tensor) -> torch.Tensor:
+        g = self._gain(self.k_norm, self.shape.n_kv_heads)
+        return g * k * self.key_inv_rms(k)
+
     def _norm_rotate_composite(self, q, k, rope, pos):
         """nn.RMSNorm, then RoPE, through autograd: the form the compiler fuses."""
         q = self.q_norm(q.transpose(1, 2)).transpose(1, 2)
@@ -135,6 +202,8 @@ class QKNorm(QKMethod):
 
     def latent_map(self, q, k, rope, pos):
         # the key map is weight * k * inv_rms(k): a static gain and inverse RMS values per token and head
+        if not self.opts.plain:  # (per-head gains have no latent form: latent_cache_ok is False for them)
+            return rope(self.query_map(q), pos), self.k_norm.weight, self.key_inv_rms(k)
         return rope(self.q_norm(q), pos), self.k_norm.weight, self.key_inv_rms(k)
 
     def clip_refusal(self, tau_clip: float) -> str:
@@ -143,5 +212,8 @@ class QKNorm(QKMethod):
                 "qk.method=softcap, or qknorm alone")
 
     def reset_parameters(self) -> None:
-        nn.init.constant_(self.q_norm.weight, self.opts.gain_init)
+        if self.q_norm.weight is not None:
+            nn.init.constant_(self.q_norm.weight, self.opts.gain_init)
         nn.init.constant_(self.k_norm.weight, self.opts.gain_init)
+        if self.alpha is not None:
+            nn.init.ones_(self.alpha)

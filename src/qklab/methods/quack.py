@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
+from qklab.methods.applied import MeasuredUpdate, head_norms, per_layer
 from qklab.methods.base import QKController
 from qklab.methods.headwise import (
     HeadMatrix,
-    HeadScaledUpdate,
     group_decay,
     is_mla,
     logit_matrices,
@@ -111,7 +111,7 @@ class QuacK(QKController):
             self.gains = [input_gains(b) for b in model.blocks]
         self.names = [list(logit_matrices(a)) for a in self.attns]
         self.mats = [m for a in self.attns for m in logit_matrices(a).values()]
-        self.update = HeadScaledUpdate(self.mats)
+        self.update = MeasuredUpdate(self.mats)  # keeps the change it applied, per head
         self.sharded = any(is_sharded(m.weight) for m in self.mats)  # FSDP2: norms need the reduce function
         # phi at init; sharded: at the first step (weights unchanged), once the reduce function is set
         self.phi0 = None if self.sharded else self.phis()
@@ -162,7 +162,9 @@ class QuacK(QKController):
             return {}
         flat = torch.cat([f for layer in self.last for f in layer.values()])
         per_head = {f"quack_{k}": [layer[k].tolist() for layer in self.last] for k in self.last[0]}
-        return {**per_head, "quack_factor_min": flat.min().item(), "quack_factor_max": flat.max().item()}
+        # the norm of the change each head's matrix took in the last step (optimizer step times its factor)
+        applied = per_layer("quack_update", head_norms(self.update.sq, self.mats, self.reduce), self.names)
+        return {**per_head, **applied, "quack_factor_min": flat.min().item(), "quack_factor_max": flat.max().item()}
 
     def state_dict(self) -> dict[str, Any]:
         if self.phi0 is None:

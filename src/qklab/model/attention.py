@@ -44,9 +44,13 @@ def causal_mask(Tq: int, Tk: int, device: torch.device) -> torch.Tensor:
     return torch.ones(Tq, Tk, dtype=torch.bool, device=device).tril(diagonal=offset)
 
 
-def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool = False) -> torch.Tensor:
+def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool = False,
+                sink: torch.Tensor | None = None) -> torch.Tensor:
     """Causal fused attention of q (B, H, Tq, F) over the last-Tq-aligned keys k (B, Hk, Tk, F) and v;
     (B, H, Tq, Dv). A single query (decoding) sees every key, so it needs no mask.
+
+    ``sink`` (H,): a per-head logit b_h in every softmax denominator, exp(s_ij) / (exp(b_h) + sum_j exp(s_ij)),
+    exactly: one extra key and value of zeros (its logit q.0 = 0) whose float mask entry is b_h.
 
     PyTorch's CPU flash kernel needs one head width for q, k and v; with another (MLA: q/k nope + rope,
     v narrower) it falls back to the math path, which keeps the (Tq, Tk) probabilities. So on CPU the
@@ -55,9 +59,16 @@ def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     Fq, Dv = q.shape[-1], v.shape[-1]
     if Fq != Dv and q.device.type == "cpu":
         if Dv < Fq:
-            return sdpa_causal(q, k, F.pad(v, (0, Fq - Dv)), scale, gqa)[..., :Dv]
+            return sdpa_causal(q, k, F.pad(v, (0, Fq - Dv)), scale, gqa, sink)[..., :Dv]
         q, k = F.pad(q, (0, Dv - Fq)), F.pad(k, (0, Dv - Fq))
     Tq, Tk = q.shape[2], k.shape[2]
+    if sink is not None:
+        k, v = F.pad(k, (0, 0, 0, 1)), F.pad(v, (0, 0, 0, 1))  # the sink: a zero key and value after the rest
+        bias = torch.zeros(q.shape[1], Tq, Tk, dtype=q.dtype, device=q.device)
+        if Tq > 1:
+            bias = bias.masked_fill(~causal_mask(Tq, Tk, q.device), float("-inf"))
+        bias = torch.cat([bias, sink.to(q.dtype).view(-1, 1, 1).expand(-1, Tq, 1)], dim=-1)  # (H, Tq, Tk + 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=gqa)
     if Tq == Tk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     mask = None if Tq == 1 else causal_mask(Tq, Tk, q.device)
@@ -90,6 +101,37 @@ def head_max_logit(q: torch.Tensor, k: torch.Tensor, scale: float, logits_fn=Non
         diag = s[..., lo:end].masked_fill(~tri[:c, :c], float("-inf"))  # (B, H, c, c)
         best = torch.maximum(best, diag.amax(dim=(0, 2, 3)).float())
     return best if logits_fn is not None else best * scale
+
+
+def softmax_with_sink(s: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim of masked logits s (B, H, Tq, Tk), in fp32, with the per-head sink logit
+    (H,) in the denominator (the sink's own probability is dropped)."""
+    s = s.float()
+    if sink is None:
+        return torch.softmax(s, dim=-1)
+    b = sink.float().view(1, -1, 1, 1).expand(*s.shape[:3], 1)
+    return torch.softmax(torch.cat([s, b], dim=-1), dim=-1)[..., :-1]
+
+
+def make_gate(cfg, n_heads: int, head_out: int) -> nn.Linear | None:
+    """``model.attn_gate``: W_g, (C -> H) for "head" or (C -> H * head_out) for "element"; None for "none"."""
+    kind = getattr(cfg, "attn_gate", "none")
+    if kind == "none":
+        return None
+    return nn.Linear(cfg.d_model, n_heads * (1 if kind == "head" else head_out), bias=False)
+
+
+def apply_gate(wg: nn.Linear | None, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y (B, H, T, Dv) times sigmoid(W_g x), x (B, T, C): one gate per head or per output feature."""
+    if wg is None:
+        return y
+    B, H, T, _ = y.shape
+    return y * torch.sigmoid(wg(x)).view(B, T, H, -1).transpose(1, 2).to(y.dtype)
+
+
+def make_sink(cfg, n_heads: int) -> nn.Parameter | None:
+    """``model.attn_sink``: one sink logit per head (initialised in ``GPT.init_weights``)."""
+    return nn.Parameter(torch.zeros(n_heads)) if getattr(cfg, "attn_sink", False) else None
 
 
 class MaxLogitTracker:
@@ -125,6 +167,8 @@ class Attention(nn.Module, MaxLogitTracker):
         self.wk = nn.Linear(self.qk.qk_in_dim(), self.n_kv_heads * dqk, bias=False)
         self.wv = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=False)
+        self.wg = make_gate(cfg, self.n_heads, self.head_dim)  # model.attn_gate (None: no gate)
+        self.sink = make_sink(cfg, self.n_heads)  # model.attn_sink (None: no sink)
         self.impl = cfg.attn_impl
         self.capture: dict[str, torch.Tensor] | None = None
         self.init_tracker(self.n_heads)
@@ -146,18 +190,19 @@ class Attention(nn.Module, MaxLogitTracker):
         scale = self.qk.scale(q.shape[-1])
         if self.use_eager:
             y = self.eager(q, k, v, scale)  # tracks the max logit from its own logits
-        elif self.tracking and flex_usable(q, k, v):  # CUDA: the max logit from the attention kernel
+        elif self.tracking and self.sink is None and flex_usable(q, k, v):  # CUDA: the max logit from the kernel
             y, m = flex_causal_with_max(q, k, v, scale, gqa=self.n_kv_heads != self.n_heads)
             self._track(m)
         else:
             if self.tracking:  # a second, chunked QK^T pass
                 self._track(head_max_logit(q, k, scale))  # logits not rewritten on this path
             y = self.sdpa(q, k, v, scale)
+        y = apply_gate(self.wg, x, y)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
         return self.wo(y)
 
     def sdpa(self, q, k, v, scale: float) -> torch.Tensor:
-        return sdpa_causal(q, k, v, scale, gqa=self.n_kv_heads != self.n_heads)
+        return sdpa_causal(q, k, v, scale, gqa=self.n_kv_heads != self.n_heads, sink=self.sink)
 
     def eager(self, q, k, v, scale: float) -> torch.Tensor:
         rep = self.n_heads // self.n_kv_heads
@@ -166,7 +211,7 @@ class Attention(nn.Module, MaxLogitTracker):
         s = (q @ k.transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
         s = self.qk.logits(s)
         mask = causal_mask(q.shape[2], k.shape[2], q.device)
-        p = torch.softmax(s.float().masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+        p = softmax_with_sink(s.float().masked_fill(~mask, float("-inf")), self.sink).to(q.dtype)
         if self.tracking:
             self._track(s.detach().masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3)))
         if self.capture is not None:

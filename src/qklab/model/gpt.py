@@ -67,6 +67,8 @@ class GPT(nn.Module):
         * RMSNorm gains: 1
         * MLA: the matrices that produce q and k (wuq, wqr, wuk, wkr) as Q, K projections; wdq, wdkv, wuv
           as V; wo as an output projection; the latent RMSNorm gains 1
+        * the attention gate W_g (``model.attn_gate``), like V: N(0, init_std), so gates start near 1/2
+        * the attention sinks (``model.attn_sink``): 0, so each head's denominator starts with exp(0) = 1
         * the QK method's own parameters: its ``reset_parameters()``
         """
         std = self.cfg.init_std
@@ -86,8 +88,11 @@ class GPT(nn.Module):
             qk_std = self.cfg.qk_init_std or a.qk.qk_init_std(std)  # a QK method may ask for its own scale
             for w in qk_ws:
                 nn.init.normal_(w.weight, 0.0, qk_std)
-            for w in (*v_ws, m.w1, m.w3):
+            gate = [a.wg] if a.wg is not None else []
+            for w in (*v_ws, *gate, m.w1, m.w3):
                 nn.init.normal_(w.weight, 0.0, std)
+            if a.sink is not None:
+                nn.init.zeros_(a.sink)
             for w in (a.wo.weight, m.w2.weight):
                 nn.init.normal_(w, 0.0, out_std)
             block.attn_norm.reset_parameters()

@@ -46,7 +46,18 @@ from torch import nn
 
 from qklab.config import ConfigError
 from qklab.methods import METHODS, AttnShape, QKMethod
-from qklab.model.attention import KVCache, MaxLogitTracker, causal_mask, head_max_logit, sdpa_causal
+from qklab.methods.base import positions_of
+from qklab.model.attention import (
+    KVCache,
+    MaxLogitTracker,
+    apply_gate,
+    causal_mask,
+    head_max_logit,
+    make_gate,
+    make_sink,
+    sdpa_causal,
+    softmax_with_sink,
+)
 from qklab.model.flex import flex_causal_with_max, flex_usable
 from qklab.model.rope import Rope, Yarn
 
@@ -70,6 +81,9 @@ class PartialRope:
     def __call__(self, x: torch.Tensor, pos: int = 0) -> torch.Tensor:
         keep, rot = x.split([x.shape[-1] - self.dim, self.dim], dim=-1)
         return torch.cat([keep, self.rope(rot, pos)], dim=-1)
+
+    def positions(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        return positions_of(self.rope, x, pos)
 
 
 @dataclass
@@ -127,6 +141,8 @@ class MLAttention(nn.Module, MaxLogitTracker):
         self.wuk = nn.Linear(R, H * n, bias=False)
         self.wuv = nn.Linear(R, H * d.v, bias=False)
         self.wo = nn.Linear(H * d.v, C, bias=False)
+        self.wg = make_gate(cfg, H, d.v)  # model.attn_gate, on each head's output (outside the latent cache)
+        self.sink = make_sink(cfg, H)  # model.attn_sink: a per-head logit in every softmax denominator
         self.impl = cfg.attn_impl
         yarn = Yarn.from_config(cfg)
         self.softmax_mscale = yarn.softmax_mscale() if yarn else 1.0  # YaRN (DeepSeek)
@@ -174,6 +190,7 @@ class MLAttention(nn.Module, MaxLogitTracker):
             if cache is not None:
                 k, v = cache.append(k, v)  # (B, H, L, F), (B, H, L, Dv)
             y = self._attend(q, k, v, self.qk.scale(q.shape[-1]) * self.softmax_mscale)
+        y = apply_gate(self.wg, x, y)  # (B, H, T, Dv)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim)  # (B, T, H*Dv)
         return self.wo(y)
 
@@ -267,14 +284,14 @@ class MLAttention(nn.Module, MaxLogitTracker):
     # --- attention on materialised q, k, v ---------------------------------------------------------
     def _attend(self, q, k, v, scale: float) -> torch.Tensor:
         """q (B, H, Tq, F), k (B, H, Tk, F), v (B, H, Tk, Dv) -> (B, H, Tq, Dv)."""
-        if not self.use_eager and self.tracking and flex_usable(q, k, v):  # CUDA: max logit from the kernel
+        if not self.use_eager and self.tracking and self.sink is None and flex_usable(q, k, v):  # CUDA: from the kernel
             y, m = flex_causal_with_max(q, k, v, scale)
             self._track(m)
             return y
         if self.tracking:
             self._track(head_max_logit(q, k, scale, self.qk.logits if self.qk.modifies_logits else None))
         if not self.use_eager:
-            return sdpa_causal(q, k, v, scale)
+            return sdpa_causal(q, k, v, scale, sink=self.sink)
         p = self._probs((q @ k.transpose(-2, -1)) * scale)  # (B, H, Tq, Tk)
         if self.capture is not None:
             self.capture["q"], self.capture["k"] = q.detach(), k.detach()
@@ -284,9 +301,9 @@ class MLAttention(nn.Module, MaxLogitTracker):
         """Scaled logits s (B, H, Tq, Tk) -> method's logits -> causal mask -> softmax."""
         s = self.qk.logits(s)
         if s.shape[2] == 1 and self.capture is None:  # one query (decoding) sees every cached key
-            return torch.softmax(s.float(), dim=-1).to(s.dtype)
+            return softmax_with_sink(s.float(), self.sink).to(s.dtype)
         mask = causal_mask(s.shape[2], s.shape[3], s.device)
-        p = torch.softmax(s.float().masked_fill(~mask, float("-inf")), dim=-1).to(s.dtype)
+        p = softmax_with_sink(s.float().masked_fill(~mask, float("-inf")), self.sink).to(s.dtype)
         if self.capture is not None:
             self.capture["logits"], self.capture["probs"], self.capture["mask"] = s.detach(), p.detach(), mask
         return p

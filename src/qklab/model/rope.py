@@ -140,6 +140,10 @@ class Rope(nn.Module):
             raise ValueError(f"position {pos + T} exceeds model.max_seq_len={self.max_len}")
         return tuple(t[pos : pos + T].to(x.dtype) for t in self.tables(D, x.device))
 
+    def positions(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        """The absolute positions (T,) of x (..., T, D) rotated from pos on."""
+        return torch.arange(pos, pos + x.shape[-2], device=x.device)
+
     def forward(self, x: torch.Tensor, pos: int = 0) -> torch.Tensor:
         cos, sin, sin_s = self.window(x, pos)  # (T, D)
         if torch.compiler.is_compiling():  # the compiler fuses the textbook form into one kernel

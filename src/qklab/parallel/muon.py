@@ -1,10 +1,19 @@
-"""Muon on FSDP2 shards, computing exactly what one process computes.
+"""Muon per attention head, and Muon on FSDP2 shards computing exactly what one process computes.
 
-Muon's momentum is elementwise, so it stays on the rows each rank holds. Its Newton-Schulz
-orthogonalisation needs the whole matrix: every rank gathers the (momentum) update of a matrix whole,
-orthogonalises it with torch's own routine, and keeps its rows. Running the iteration on sharded
-DTensors instead would reduce partial bf16 products over the ranks (torch's Muon iterates in bf16) and
-drift from the single-process result; the gathered form is the same arithmetic as one process.
+Per head (``train.muon_per_head``, docs: the optimizer definitions): a Muon group may carry
+``head_rows``, one entry per parameter: the rows of one head (0: the matrix is orthogonalised whole). Such
+a matrix (n_heads * rows, C) has its update orthogonalised block by block, each head's (rows, C) block
+with torch's own Newton-Schulz (``torch.optim._muon._zeropower_via_newtonschulz``), and the step's rate
+adjusted by torch's ``_adjust_lr`` on the head's shape (rows, C): under ``match_rms_adamw`` each head's
+update has the RMS 0.2 * lr that a whole matrix's has. Momentum and decoupled weight decay are
+elementwise, so they are those of torch's Muon. Without ``head_rows`` a group computes torch's Muon bit for
+bit.
+
+Sharded: Muon's momentum is elementwise, so it stays on the rows each rank holds. Its Newton-Schulz
+orthogonalisation needs the whole matrix (or the whole head): every rank gathers the (momentum) update of
+a matrix whole, orthogonalises it with torch's own routine, and keeps its rows. Running the iteration on
+sharded DTensors instead would reduce partial bf16 products over the ranks (torch's Muon iterates in bf16)
+and drift from the single-process result; the gathered form is the same arithmetic as one process.
 Costs: one all-gather of each matrix's update per step and the orthogonalisation repeated on every rank.
 """
 
@@ -16,7 +25,29 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from qklab.methods.shards import is_sharded, local_rows
 
 
-class ShardedMuon(torch.optim.Muon):
+def orthogonalise(update: torch.Tensor, group: dict, rows: int = 0) -> tuple[torch.Tensor, torch.Size]:
+    """(torch's Newton-Schulz of ``update`` (N, C), the shape its rate is adjusted for): of the whole
+    matrix when ``rows`` is 0 (or N), else of each (rows, C) head block, stacked back in order."""
+    coeffs, steps, eps = group["ns_coefficients"], group["ns_steps"], group["eps"]
+    if not rows or rows == update.shape[0]:
+        return _zeropower_via_newtonschulz(update, coeffs, steps, eps), update.shape
+    if update.shape[0] % rows:
+        raise ValueError(f"a {tuple(update.shape)} matrix does not split into heads of {rows} rows")
+    blocks = [_zeropower_via_newtonschulz(b, coeffs, steps, eps) for b in update.split(rows)]
+    return torch.cat(blocks), torch.Size((rows, update.shape[1]))
+
+
+def head_rows(group: dict) -> dict[int, int]:
+    """id(parameter) -> rows per head of a group's per-head matrices (absent: orthogonalised whole)."""
+    rows = group.get("head_rows")
+    if rows is None:
+        return {}
+    return {id(p): r for p, r in zip(group["params"], rows, strict=True) if r}
+
+
+class HeadMuon(torch.optim.Muon):
+    """torch's Muon, with the per-head orthogonalisation of the matrices a group names in ``head_rows``."""
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -28,6 +59,30 @@ class ShardedMuon(torch.optim.Muon):
             grads: list[torch.Tensor] = []
             bufs: list[torch.Tensor] = []
             self._init_group(group, params, grads, bufs)
+            heads = head_rows(group)
+            lr, wd, mom = float(group["lr"]), group["weight_decay"], group["momentum"]
+            for p, g, buf in zip(params, grads, bufs, strict=True):  # torch's _single_tensor_muon, per head
+                buf.lerp_(g, 1 - mom)
+                update = g.lerp(buf, mom) if group["nesterov"] else buf
+                ortho, shape = orthogonalise(update, group, heads.get(id(p), 0))
+                p.mul_(1 - lr * wd)
+                p.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
+        return loss
+
+
+class ShardedMuon(HeadMuon):
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            bufs: list[torch.Tensor] = []
+            self._init_group(group, params, grads, bufs)
+            heads = head_rows(group)
             lr, wd, mom = float(group["lr"]), group["weight_decay"], group["momentum"]
             for p, g, buf in zip(params, grads, bufs, strict=True):
                 rows, start = local_rows(p)  # (r, C): this rank's rows of the parameter
@@ -35,9 +90,9 @@ class ShardedMuon(torch.optim.Muon):
                 b.lerp_(gl, 1 - mom)
                 update = gl.lerp(b, mom) if group["nesterov"] else b  # (r, C)
                 whole = _gather_rows(update, p) if is_sharded(p) else update  # (N, C)
-                ortho = _zeropower_via_newtonschulz(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                ortho, shape = orthogonalise(whole, group, heads.get(id(p), 0))
                 rows.mul_(1 - lr * wd)
-                rows.add_(ortho[start : start + rows.shape[0]], alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+                rows.add_(ortho[start : start + rows.shape[0]], alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
         return loss
 
 

@@ -13,12 +13,33 @@ import torch
 from torch import nn
 
 from qklab.config import TrainConfig
+from qklab.methods.headwise import is_mla
+from qklab.parallel.muon import HeadMuon
 
 
 def hidden_matrix_names(model: nn.Module) -> set[str]:
     """Names of the 2-D weight matrices inside the blocks (Muon's domain): attention and MLP weights.
     Embeddings, the output head, norms and method parameters are left to AdamW."""
     return {n for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")}
+
+
+def per_head_matrices(model: nn.Module, which: str) -> dict[int, int]:
+    """id(weight) -> rows per head of the attention matrices that Muon orthogonalises per head under
+    ``train.muon_per_head`` (``qk`` or ``qkv``; ``none``: none). MHA/GQA: W_Q (per query head), W_K (per
+    KV head) and with ``qkv`` W_V (per KV head). MLA: the per-head up-projections W_uq, W_uk, W_qr and with
+    ``qkv`` W_uv; the down-projections W_dq, W_dkv and the shared rope key W_kr serve every head, have no
+    per-head blocks, and stay whole."""
+    if which == "none":
+        return {}
+    out: dict[int, int] = {}
+    for a in model.attention_layers():
+        if is_mla(a):
+            mats = [(a.wuq, a.n_heads), (a.wuk, a.n_heads), (a.wqr, a.n_heads)]
+            mats += [(a.wuv, a.n_heads)] if which == "qkv" else []
+        else:
+            mats = [(a.wq, a.n_heads), (a.wk, a.n_kv_heads)] + ([(a.wv, a.n_kv_heads)] if which == "qkv" else [])
+        out.update({id(m.weight): m.weight.shape[0] // n for m, n in mats})
+    return out
 
 
 def method_groups(model: nn.Module) -> dict[str, tuple[float, list[tuple[str, nn.Parameter]]]]:
@@ -44,7 +65,9 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig,
     """One optimizer (AdamW) or two (Muon for hidden matrices + AdamW for the rest). QK-method
     parameters that ask for it (QK-MAP's frequencies and temperature) get an AdamW group of their own:
     no weight decay, their method's rate multiplier. ``muon_cls``: torch's Muon, or a subclass (FSDP2
-    shards: ``qklab.parallel.muon.ShardedMuon``)."""
+    shards: ``qklab.parallel.muon.ShardedMuon``). ``cfg.muon_per_head``: the attention matrices it names
+    (``per_head_matrices``) are orthogonalised head by head (``qklab.parallel.muon.HeadMuon``); AdamW is
+    elementwise, so the option changes nothing there."""
     hidden = hidden_matrix_names(model)
     own = method_groups(model)
     taken = {n for _, named in own.values() for n, _ in named}
@@ -62,8 +85,15 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig,
     adam_lr = cfg.adam_lr or cfg.lr
     muon_params = [(n, p) for n, p in matrices if n in hidden]
     adam_matrices = [(n, p) for n, p in matrices if n not in hidden]
+    group = _group("muon", muon_params, cfg.lr, cfg.weight_decay)
+    heads = per_head_matrices(model, cfg.muon_per_head)
+    if heads:  # rows per head of each Muon matrix, 0: whole
+        group["head_rows"] = [heads.get(id(p), 0) for _, p in muon_params]
+        muon_cls = HeadMuon if muon_cls is torch.optim.Muon else muon_cls
+        if not issubclass(muon_cls, HeadMuon):
+            raise ValueError(f"train.muon_per_head={cfg.muon_per_head} needs a HeadMuon, got {muon_cls.__name__}")
     muon = muon_cls(
-        [_group("muon", muon_params, cfg.lr, cfg.weight_decay)],
+        [group],
         lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, adjust_lr_fn="match_rms_adamw",
     )
     adam_groups = [_group("adam_decay", adam_matrices, adam_lr, cfg.weight_decay),
