@@ -145,7 +145,7 @@ def test_a_cell_trained_by_another_process_is_busy_not_failed(tmp_path, workers)
     o = run_study(study, out, res_dir, workers=workers, log=lines.append)
     assert o.busy == ["a_lr1_s0"] and list(o.results) == ["b_lr1_s0"] and o.results["b_lr1_s0"]["status"] == "ok"
     assert not (res_dir / "a_lr1_s0").exists()
-    assert any("a_lr1_s0: not run: another process is training it" in ln for ln in lines)
+    assert any(f"a_lr1_s0: not run: another process (pid {os.getpid()}) is training it" in ln for ln in lines)
     assert lines[-1].endswith("(2 run now, 0 skipped, 1 busy in another process)")
     held.release()
     o = run_study(study, out, res_dir, workers=workers, log=lines.append)
@@ -318,3 +318,20 @@ def test_interrupted_study_resumes_without_loss(tmp_path):
         tmp_path / "ref", workers=0, log=lambda s: None).results["a_lr1_s0"]
     assert resumed["final"]["report_loss"] == ref["final"]["report_loss"]  # bitwise: nothing lost
     assert resumed["curves"]["train"] == ref["curves"]["train"]
+
+
+def test_a_failure_moves_a_finished_result_of_another_config_aside(tmp_path):
+    """A failed run is no successor: the committed result of the cell's earlier config is kept, moved
+    aside to result.<its hash>.json, byte for byte."""
+    study = _study(tmp_path, {"bad": {"model.vocab_size": 10}})  # passes validation, raises in the cell
+    (cell,) = study.cells
+    res_dir = tmp_path / "results"
+    old = {"study": "t", "cell": cell.id, "variant": "bad", "lr_mult": 1.0, "seed": 0, "status": "ok", "lr": 1e-2,
+           "diverged": False, "cell_hash": "0123456789abcdef", "final": {"val_loss": 3.0, "report_loss": 3.1}}
+    (res_dir / cell.id).mkdir(parents=True)
+    text = json.dumps(old, indent=1)
+    (res_dir / cell.id / "result.json").write_text(text)
+    run_study(study, tmp_path / "runs", res_dir, workers=0, log=lambda s: None)
+    new = json.loads((res_dir / cell.id / "result.json").read_text())
+    assert new["status"] == "failed" and new["cell_hash"] == cell.hash
+    assert (res_dir / cell.id / "result.0123456789abcdef.json").read_text() == text

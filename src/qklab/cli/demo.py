@@ -7,37 +7,50 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from qklab.cli.study import resolve_study, run_and_report, workers_for
+from qklab.cli.study import exit_code, resolve_study, run_and_report, warn, workers_for
 from qklab.config import ConfigError
 from qklab.study.spec import parse_sets, parse_study, read_study
 
 
 def run_demo(study: str = "demo", methods: str | None = None, overrides: list[str] | None = None,
-             workers: int | None = None, out: str | None = None) -> Path | None:
+             workers: int | None = None, out: str | None = None, threads: int | None = None) -> int:
+    """Run the demo study (or a subset of its variants); returns the exit code (``cli.study.exit_code``)."""
     path = resolve_study(study)
     raw = read_study(path)  # the study's TOML: --methods and --set change it before it is parsed
-    if methods:  # a subset of the study's variants, all checked before anything trains
+    variants = raw.get("variants", {})
+    if methods is not None and not isinstance(variants, dict):
+        raise ConfigError(f"{path.name}: [variants] must be a table of [variants.<label>] tables")
+    if methods is not None:  # a subset of the study's variants, all checked before anything trains
         wanted = [m.strip() for m in methods.split(",") if m.strip()]
-        known = list(raw.get("variants", {}))
+        known = list(variants)
+        if not wanted:
+            raise ConfigError(f"--methods {methods!r} names no variant; give labels such as "
+                              f"{','.join(known[:3])} (or leave --methods out to run all)")
         bad = [m for m in wanted if m not in known]
         if bad:
             raise ConfigError(f"--methods: {', '.join(bad)} not in {path.name}; choose from {', '.join(known)}")
-        raw["variants"] = {k: v for k, v in raw["variants"].items() if k in wanted}
-        ref = raw.get("protocol", {}).get("reference")
+        raw["variants"] = {k: v for k, v in variants.items() if k in wanted}
+        proto = raw.get("protocol", {})
+        ref = proto.get("reference") if isinstance(proto, dict) else None
         if isinstance(ref, dict):
-            raw["protocol"]["reference"] = {a: r for a, r in ref.items() if r in wanted}
-        elif ref not in wanted:
-            raw.get("protocol", {}).pop("reference", None)
-    raw.setdefault("study", {}).setdefault("set", {}).update(parse_sets(overrides or [], "--set"))
-    s = parse_study(raw, path.stem, path)
-    outcome, report = run_and_report(s, out or Path("runs") / s.name, None, workers_for(s, workers))
+            proto["reference"] = {a: r for a, r in ref.items() if r in wanted}
+        elif isinstance(proto, dict) and ref not in wanted:
+            proto.pop("reference", None)
+    if overrides:
+        st = raw.setdefault("study", {})
+        if not isinstance(st, dict) or not isinstance(st.setdefault("set", {}), dict):
+            raise ConfigError(f"{path.name}: [study] and [study] set must be tables")
+        st["set"].update(parse_sets(overrides, "--set"))
+    s = parse_study(raw, path.stem, path, note=warn)
+    outcome, report = run_and_report(s, out or Path("runs") / s.name, None, workers_for(s, workers), threads=threads)
     _print_table(outcome.results.values())
     if report is not None:
         print(f"\nreport: {report / 'report.html'}  (also report.md)")
-    return report
+    return exit_code(s, outcome)
 
 
 def _print_table(results) -> None:
+    from qklab.study.result import num
     from qklab.study.stats import describe
 
     by: dict[str, list[dict]] = {}
@@ -47,10 +60,10 @@ def _print_table(results) -> None:
           f"{'tok/s':>7}  status")
     for label, rs in by.items():
         ok = [r for r in rs if r["status"] == "ok"]
-        rep = describe([float(r["final"]["report_loss"]) for r in ok])
-        ml = describe([float(r["final"]["max_logit"]) for r in ok])
-        ft = describe([float(r["final"]["first_token"]) for r in ok])
-        tps = describe([float(r["tokens_per_s"]) for r in ok])
+        rep = describe([num(r["final"].get("report_loss")) for r in ok])
+        ml = describe([num(r["final"].get("max_logit")) for r in ok])
+        ft = describe([num(r["final"].get("first_token")) for r in ok])
+        tps = describe([num(r.get("tokens_per_s")) for r in ok])
         loss = f"{rep['mean']:.4f}" + (f" ± {rep['std']:.4f}" if math.isfinite(rep["std"]) else "")
         status = ", ".join(f"{sum(r['status'] == s for r in rs)} {s}" for s in ("ok", "diverged", "failed")
                            if any(r["status"] == s for r in rs))

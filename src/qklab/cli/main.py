@@ -37,34 +37,53 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stopped_study(e: RunInterrupted) -> int:
+    """A study command stopped by a signal outside its pool (reading, preparing data): nothing was running."""
+    import signal
+
+    name = signal.Signals(e.exit_code - 128).name
+    print(f"qklab: study stopped by {name} before any cell started; run the same command to continue", file=sys.stderr)
+    return e.exit_code
+
+
 def _demo(args: argparse.Namespace) -> int:
     from qklab.cli.demo import run_demo
 
-    run_demo(args.study, methods=args.methods, overrides=args.set, workers=args.workers, out=args.out)
-    return 0
+    try:
+        return run_demo(args.study, methods=args.methods, overrides=args.set, workers=args.workers, out=args.out,
+                        threads=args.threads)
+    except RunInterrupted as e:
+        return _stopped_study(e)
 
 
 def _study(args: argparse.Namespace) -> int:
     from qklab.cli.study import study_command
 
-    return study_command(args)
+    try:
+        return study_command(args)
+    except RunInterrupted as e:
+        return _stopped_study(e)
 
 
 def _report(args: argparse.Namespace) -> int:
     from qklab.report import write_report
 
-    out = write_report(args.dirs, out=args.out, title=args.title)
+    out = write_report(args.dirs, out=args.out, title=args.title, warn=_warn)
     print(f"report: {out / 'report.html'} (and report.md, report.json, figures)")
     return 0
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from qklab.cli.study import run_and_report
+    from qklab.cli.study import exit_code, run_and_report, workers_for
     from qklab.cli.sweep import sweep_study
 
     study = sweep_study(args.config, args.variant, args.seeds, args.out, args.set, args.lr_mults, args.reference)
-    run_and_report(study, out=args.out, results=None, workers=args.workers)
-    return 0
+    try:
+        outcome, _ = run_and_report(study, out=args.out, results=None, workers=workers_for(study, args.workers),
+                                    threads=args.threads)
+    except RunInterrupted as e:
+        return _stopped_study(e)
+    return exit_code(study, outcome)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -72,7 +91,7 @@ def _export(args: argparse.Namespace) -> int:
 
     src = Path(args.path)
     default = src / "export" if not src.name.startswith("step_") else src.parent.parent / "export"
-    out, step = export_run(src, args.out or default)
+    out, step = export_run(src, args.out or default, unverified=args.allow_unverified, warn=_warn)
     print(f"exported step {step} of {src}: {out / 'model.safetensors'}")
     return 0
 
@@ -81,16 +100,37 @@ def _probe(args: argparse.Namespace) -> int:
     from qklab.diagnostics.probe import ProbeError, ProbeOptions, run_probe
 
     opts = ProbeOptions(batch=args.batch, samples=args.samples, seg_len=args.seg_len, max_mult=args.max_mult,
-                        evidence=not args.no_evidence, device=args.device)
+                        evidence=not args.no_evidence, device=args.device, unverified=args.allow_unverified)
     if args.compare:
         from qklab.diagnostics.compare import compare_runs
 
-        compare_runs(([args.path] if args.path else []) + args.compare, args.out or "probe_compare", opts)
+        compare_runs(([args.path] if args.path else []) + args.compare, args.out or "probe_compare", opts, warn=_warn)
     elif args.path is None:
         raise ProbeError("give a run folder or checkpoint to probe, e.g. qklab probe runs/small-none-s0")
     else:
-        run_probe(args.path, out=args.out, opts=opts)
+        run_probe(args.path, out=args.out, opts=opts, warn=_warn)
     return 0
+
+
+def _warn(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _count(lo: int, what: str):
+    """An argparse type: an integer >= ``lo`` (one line otherwise)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{v}: {what}")
+        return v
+    return parse
+
+
+WORKERS = _count(0, "use 0 (cells in this process), 1 or more")
+THREADS = _count(1, "use 1 or more CPU threads per cell")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -116,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the main job: a small study of every QK method, a table and a report")
     d.add_argument("--study", default="demo", help="study file or name in studies/ (default: demo)")
     d.add_argument("--methods", help="comma-separated variant labels of the study to run (default: all)")
-    d.add_argument("--workers", type=int, default=None, help="parallel cells (default: the study's)")
+    d.add_argument("--workers", type=WORKERS, default=None, help="parallel cells (default: the study's)")
+    d.add_argument("--threads", type=THREADS, default=None, help="CPU threads per cell (default: cores / workers)")
     d.add_argument("--out", default=None, help="folder for runs, results and report (default: runs/demo)")
     d.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value in every cell, e.g. --set train.steps=50")
@@ -125,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("study", help="run a study file (grid x variants x rates x seeds) or show its status")
     st.add_argument("action", choices=["run", "status"], help="run: train the cells not done; status: list them")
     st.add_argument("file", help="study file, e.g. studies/demo.toml")
-    st.add_argument("--workers", type=int, default=None, help="cells in parallel (default: the study's, else 1)")
+    st.add_argument("--workers", type=WORKERS, default=None, help="cells in parallel (default: the study's, else 1)")
+    st.add_argument("--threads", type=THREADS, default=None,
+                    help="CPU threads per cell (default: the cores / --workers; set it when studies share a machine)")
     st.add_argument("--out", default=None, help="folder for run folders and logs (default: runs/studies/<name>)")
     st.add_argument("--results", default=None, help="folder for result files, e.g. docs/results/<name> "
                     "(default: <out>/results); a cell with a result here is done")
@@ -146,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE", help="applied to every run")
     w.add_argument("--lr-mults", default="1", help="each variant's rate grid, multiples of its rate: 0.5,1,2")
     w.add_argument("--reference", default=None, help="variant the others are paired with (default: the first)")
-    w.add_argument("--workers", type=int, default=1, help="cells in parallel")
+    w.add_argument("--workers", type=WORKERS, default=1, help="cells in parallel")
+    w.add_argument("--threads", type=THREADS, default=None, help="CPU threads per cell (default: cores / workers)")
     w.set_defaults(fn=_sweep)
 
     r = sub.add_parser("probe", help="attention diagnostics of a trained run: probes.json and PNG plots")
@@ -162,10 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--compare", nargs="+", metavar="RUN",
                    help="put several runs on one colour scale (their latest probe results; measured when missing)")
     r.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    r.add_argument("--allow-unverified", action="store_true",
+                   help="accept a checkpoint without manifest.json (written before manifests; not checked)")
     r.set_defaults(fn=_probe)
     x = sub.add_parser("export", help="a run's weights as one model.safetensors (whatever wrote the checkpoint)")
     x.add_argument("path", help="run folder (its newest good checkpoint) or a checkpoint ckpt/step_*")
     x.add_argument("--out", help="folder for model.safetensors and config.json (default: <run>/export)")
+    x.add_argument("--allow-unverified", action="store_true",
+                   help="accept a checkpoint without manifest.json (written before manifests; not checked)")
     x.set_defaults(fn=_export)
     return p
 
@@ -206,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qklab: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        print("qklab: interrupted; the last checkpoint is intact (continue with --resume)", file=sys.stderr)
+        hint = "the last checkpoint is intact (continue with --resume)" if args.cmd == "train" else \
+            "nothing half-written is left; run the same command again"
+        print(f"qklab: interrupted; {hint}", file=sys.stderr)
         return 130
     except Exception as e:
         if _out_of_memory(e):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -18,21 +19,25 @@ def resolve_study(spec: str) -> Path:
     return resolve_named_file(spec, STUDY_DIR, "study", "study")
 
 
+def warn(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
 def workers_for(study: Study, n: int | None) -> int:
     """--workers N, else the study's ``[study] workers``."""
     w = n if n is not None else study.workers
-    if w < 0:
+    if type(w) is not int or w < 0:
         raise ConfigError(f"--workers {w}: use 0 (in this process), 1 or more")
     return w
 
 
 def run_and_report(study: Study, out: str | Path | None, results: str | Path | None, workers: int,
-                   report: bool = True) -> tuple[Outcome, Path | None]:
+                   report: bool = True, threads: int | None = None) -> tuple[Outcome, Path | None]:
     out = Path(out or Path("runs") / "studies" / study.name)
     results = Path(results) if results else out / "results"
-    outcome = run_study(study, out, results, workers=workers)
+    outcome = run_study(study, out, results, workers=workers, threads=threads, warn=warn)
     path = None
-    if report and outcome.results:
+    if report and outcome.results and outcome.signal is None:
         from qklab.report import write_report
 
         path = write_report([results], out=out / "report", title=f"qklab study: {study.name}")
@@ -40,27 +45,49 @@ def run_and_report(study: Study, out: str | Path | None, results: str | Path | N
     return outcome, path
 
 
-def study_command(args: argparse.Namespace) -> int:
-    study = load_study(resolve_study(args.file))
-    out = Path(args.out or Path("runs") / "studies" / study.name)
-    results = Path(args.results) if args.results else out / "results"
-    if args.action == "status":
-        index = reuse_index(study.protocol.reuse)
-        rows = [(c.id, cell_status(c, results)) for c in study.cells]
-        n_reuse = 0
-        for c, (cid, (status, res)) in zip(study.cells, rows, strict=True):
-            detail = (res or {}).get("status", "") if status != "done" else res["status"]
-            src = reusable(c, study, index) if status != "done" else None
-            if src is not None:
-                status, detail, n_reuse = "reuse", f"from {src[0]} ({src[1]['status']})", n_reuse + 1
-            print(f"{cid:<40} {status:<6} {detail}")
-        done = sum(s == "done" for _, (s, _) in rows)
-        print(f"{study.name}: {done}/{len(rows)} cells done" + (f", {n_reuse} to reuse" if n_reuse else "")
-              + f"; results in {results}")
-        return 0
-    outcome, _ = run_and_report(study, out, results, workers_for(study, args.workers), report=not args.no_report)
+def exit_code(study: Study, outcome: Outcome) -> int:
+    """The exit code of a study run (README): 128 + N stopped by signal N; 2 cells held by another process
+    (one line naming it); 1 a cell stopped on its own, or failed; 0 every cell done."""
+    if outcome.signal is not None:
+        print(f"qklab: study {study.name} stopped by {signal.Signals(outcome.signal).name}: "
+              f"{len(outcome.stopped)} cell(s) stopped after a checkpoint, {len(outcome.not_started)} not started; "
+              "run the same command to continue", file=sys.stderr)
+        return 128 + outcome.signal
     if outcome.stopped:
         print(f"qklab: study {study.name} stopped: {len(outcome.stopped)} cell(s) stopped by a signal, "
               f"{len(outcome.not_started)} not started; run the same command to continue", file=sys.stderr)
         return 1
+    if outcome.busy:
+        held = ", ".join(f"{c} (pid {outcome.holders.get(c, 'unknown')})" for c in outcome.busy[:3])
+        print(f"qklab: error: {len(outcome.busy)} cell(s) not run, their run folders are held by another process: "
+              f"{held}{', ...' if len(outcome.busy) > 3 else ''}; run the same command once it has finished",
+              file=sys.stderr)
+        return 2
     return 1 if outcome.counts()["failed"] else 0
+
+
+def _status(study: Study, results: Path) -> int:
+    index = reuse_index(study.protocol.reuse, warn)
+    done = n_reuse = 0
+    for c in study.cells:
+        status, res = cell_status(c, results, warn)
+        detail = (res or {}).get("status", "") if status != "done" else res["status"]
+        src = reusable(c, study, index) if status not in ("done",) else None
+        if src is not None:
+            status, detail, n_reuse = "reuse", f"from {src[0]} ({src[1]['status']})", n_reuse + 1
+        done += status == "done"
+        print(f"{c.id:<40} {status:<6} {detail}")
+    print(f"{study.name}: {done}/{len(study.cells)} cells done" + (f", {n_reuse} to reuse" if n_reuse else "")
+          + f"; results in {results}")
+    return 0
+
+
+def study_command(args: argparse.Namespace) -> int:
+    study = load_study(resolve_study(args.file), note=warn)
+    out = Path(args.out or Path("runs") / "studies" / study.name)
+    results = Path(args.results) if args.results else out / "results"
+    if args.action == "status":
+        return _status(study, results)
+    outcome, _ = run_and_report(study, out, results, workers_for(study, args.workers), report=not args.no_report,
+                                threads=getattr(args, "threads", None))
+    return exit_code(study, outcome)

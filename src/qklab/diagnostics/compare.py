@@ -18,24 +18,47 @@ from typing import Any
 import numpy as np
 
 from qklab.diagnostics import plots
-from qklab.diagnostics.probe import ProbeError, ProbeOptions, default_out, run_probe
+from qklab.diagnostics.probe import SCHEMA, ProbeError, ProbeOptions, default_out, run_probe
 from qklab.diagnostics.summary import probe_summary
 from qklab.rundir.load import resolve_target
 
 
-def load_or_probe(path: str | Path, opts: ProbeOptions, log=print) -> dict[str, Any]:
-    target = resolve_target(path)
+def cached_problem(data: Any, opts: ProbeOptions) -> str | None:
+    """None when a cached probes.json can stand for a measurement with ``opts``; else why not."""
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        return f"not a {SCHEMA} result"
+    heads = data.get("heads")
+    ml = heads.get("max_logit") if isinstance(heads, dict) else None
+    if not (isinstance(ml, list) and ml and all(isinstance(r, list) and r for r in ml)):
+        return "no per-head measurements"
+    if data.get("options") != opts.key():
+        return "measured with other options" if "options" in data else "measured with unrecorded options"
+    return None
+
+
+def load_or_probe(path: str | Path, opts: ProbeOptions, log=print, warn=None) -> dict[str, Any]:
+    """A run's cached probe result of its newest good checkpoint, or a new measurement when there is none,
+    or the cached one is damaged (named through ``warn``) or measured with other options."""
+    warn = warn or log
+    target = resolve_target(path, warn=warn, unverified=opts.unverified)
     f = default_out(target) / "probes.json"
     if f.is_file():
+        data, problem = None, None
         try:
-            return json.loads(f.read_text())
-        except json.JSONDecodeError as e:
-            raise ProbeError(f"{f}: not valid JSON ({e}); delete it to measure again") from None
-    log(f"{path}: no probe result for {target.ckpt.name} yet, measuring it")
-    return run_probe(path, None, opts, log=lambda s: None)
+            data = json.loads(f.read_bytes().decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            problem = f"not valid JSON ({type(e).__name__})"
+        problem = problem or cached_problem(data, opts)
+        if problem is None:
+            return data
+        warn(f"warning: {f}: {problem}; measuring it again")
+    else:
+        log(f"{path}: no probe result for {target.ckpt.name} yet, measuring it")
+    return run_probe(target.ckpt, None, opts, log=lambda s: None, warn=warn)
 
 
-def compare_runs(paths: list[str], out: str | Path, opts: ProbeOptions | None = None, log=print) -> dict[str, Any]:
+def compare_runs(paths: list[str], out: str | Path, opts: ProbeOptions | None = None, log=print,
+                 warn=None) -> dict[str, Any]:
     if len(paths) < 2:
         raise ProbeError("--compare needs at least two runs, e.g. qklab probe --compare runs/a runs/b")
     opts = opts or ProbeOptions()
@@ -45,7 +68,7 @@ def compare_runs(paths: list[str], out: str | Path, opts: ProbeOptions | None = 
         label = Path(p).resolve().name
         while label in results:
             label += "'"
-        results[label] = load_or_probe(p, opts, log)
+        results[label] = load_or_probe(p, opts, log, warn)
     shapes = {(len(r["heads"]["max_logit"]), len(r["heads"]["max_logit"][0])) for r in results.values()}
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -26,10 +26,12 @@ from qklab.diagnostics.retrieval import retrieval_test
 from qklab.diagnostics.sensitivity import SCALES, magnitude_sensitivity
 from qklab.diagnostics.series import head_series
 from qklab.errors import ProbeError
-from qklab.rundir.checkpoint import complete_checkpoints
+from qklab.rundir.checkpoint import complete_checkpoints, verify_checkpoint
 from qklab.rundir.load import Target, load_model, load_run_config, resolve_target
 
 SCHEMA = "qklab.probes/2"
+MULTS = (1, 2, 4, 8, 16, 32)  # --max-mult: the longest probed context, in training lengths
+MAX_BATCH, MAX_SAMPLES = 1024, 1024
 
 
 @dataclass
@@ -43,16 +45,22 @@ class ProbeOptions:
     max_mult: int = 8  # longest context, in training lengths (> 1: extrapolation lengths)
     evidence: bool = True
     device: str = "cpu"
+    unverified: bool = False  # accept a checkpoint without a manifest (--allow-unverified)
+
+    def key(self) -> dict[str, Any]:
+        """What decides a probe result's numbers: a cached probes.json measured otherwise is measured again."""
+        return {"batch": self.batch, "samples": self.samples, "seg_len": self.seg_len, "max_mult": self.max_mult,
+                "evidence": self.evidence}
 
     def check(self, seq_len: int | None = None) -> None:
         """Raise ProbeError (one line) for a setting that cannot work."""
-        if self.batch is not None and self.batch < 1:
-            raise ProbeError(f"--batch {self.batch}: needs at least one probe sequence; use --batch 4")
-        if self.samples < 1:
-            raise ProbeError(f"--samples {self.samples}: needs at least one context per cell; use --samples 8")
-        if self.max_mult < 1:
-            raise ProbeError(f"--max-mult {self.max_mult}: the longest context must be at least the training "
-                             "length; use --max-mult 1 (training length only) or more")
+        if self.batch is not None and not 1 <= self.batch <= MAX_BATCH:
+            raise ProbeError(f"--batch {self.batch}: use 1 to {MAX_BATCH} probe sequences, e.g. --batch 4")
+        if not 1 <= self.samples <= MAX_SAMPLES:
+            raise ProbeError(f"--samples {self.samples}: use 1 to {MAX_SAMPLES} contexts per cell, e.g. --samples 8")
+        if self.max_mult not in MULTS:
+            raise ProbeError(f"--max-mult {self.max_mult}: contexts are probed at 1, 2, 4, 8, 16 and 32 training "
+                             f"lengths; use one of {', '.join(map(str, MULTS))}")
         if self.seg_len < 2:
             raise ProbeError(f"--seg-len {self.seg_len}: the repeated segment needs at least 2 tokens")
         if seq_len is not None and self.evidence and 4 * self.seg_len > seq_len:
@@ -82,16 +90,18 @@ def default_out(target: Target) -> Path:
 
 
 def run_probe(path: str | Path, out: str | Path | None = None, opts: ProbeOptions | None = None,
-              log=print) -> dict[str, Any]:
+              log=print, warn=None) -> dict[str, Any]:
+    """Probe a run's newest good checkpoint (a damaged newer one is named through ``warn``, default ``log``)
+    or the checkpoint ``path`` names; write probes.json and the plots."""
     t0 = time.time()
     opts = opts or ProbeOptions()
     opts.check()
-    target = resolve_target(path)
-    cfg = load_run_config(target)
+    target = resolve_target(path, warn=warn or log, unverified=opts.unverified)
+    cfg = load_run_config(target, opts.unverified)
     T = cfg.train.seq_len
     opts.check(T)
     dev = opts.torch_device()
-    model, step = load_model(cfg, target.ckpt, dev)
+    model, step = load_model(cfg, target.ckpt, dev, opts.unverified)
     out_dir = Path(out) if out else default_out(target)
     out_dir.mkdir(parents=True, exist_ok=True)
     data = prepare_data(cfg.data, log=lambda s: None)
@@ -99,9 +109,10 @@ def run_probe(path: str | Path, out: str | Path | None = None, opts: ProbeOption
     x = probe_batch(val, opts.batch or cfg.train.diag_batch, T)  # (B, T): the training diagnostics' batch
 
     prev_snap, change_from = None, None
-    earlier = [c for c in complete_checkpoints(target.ckpt.parent) if c.name < target.ckpt.name]
-    if earlier:  # the logit change since the previous kept checkpoint
-        prev_model, prev_step = load_model(cfg, earlier[-1], dev)
+    earlier = [c for c in complete_checkpoints(target.ckpt.parent) if c.name < target.ckpt.name
+               and verify_checkpoint(c, opts.unverified) is None]
+    if earlier:  # the logit change since the previous kept checkpoint (that verifies)
+        prev_model, prev_step = load_model(cfg, earlier[-1], dev, opts.unverified)
         if prev_step < step:
             prev_snap, change_from = snapshot(prev_model, x), prev_step
         del prev_model
@@ -112,6 +123,7 @@ def run_probe(path: str | Path, out: str | Path | None = None, opts: ProbeOption
         "run_dir": str(target.run_dir) if target.run_dir else None,
         "qk_method": cfg.qk.method, "qk_controller": cfg.qk.controller, "train_seq_len": T,
         "max_seq_len": cfg.model.max_seq_len, "probe_batch": list(x.shape), "logit_change_from_step": change_from,
+        "options": opts.key(),
         "heads": summarise(snap.heads, snap.sink, T),
         "magnitude": magnitude_sensitivity(model, x, SCALES),
     }

@@ -47,6 +47,11 @@ def positions_of(rope: Rope, x: torch.Tensor, pos: int) -> torch.Tensor:
     return out if out is not None else torch.arange(pos, pos + x.shape[-2], device=x.device)
 
 
+# metadata of an option added after study results were committed with its method: left out of a study
+# cell's hash while at its default (which keeps the old behaviour), so those results stay valid
+LATE = {"late": True}
+
+
 @dataclass(frozen=True)
 class AttnShape:
     """What a method needs to know about the attention layer it lives in."""

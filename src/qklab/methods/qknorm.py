@@ -23,12 +23,12 @@ Variants (options; the defaults are the QK-Norm above, computed exactly as befor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from qklab.methods.base import AttnShape, QKMethod
+from qklab.methods.base import LATE, AttnShape, QKMethod
 
 
 @dataclass
@@ -37,10 +37,11 @@ class QKNormOptions:
     gain_init: float = 1.0  # initial value of every gain entry
     k_group: int = 1  # key heads sharing one key RMS (1: per head)
     k_parts: bool = False  # MLA: normalise the keys' nope and rope parts separately
-    q_gain: bool = True  # False: parameter-free RMS on q, learnable RMSNorm on k (DeepSeek-V4 style)
-    stats: str = "head"  # head | flat: one statistic per head, or over all of a token's heads together
-    gains: str = "shared"  # shared | head: one gain vector shared by the heads, or one per head
-    p: float = 2.0  # the statistic's norm: (mean |x|^p)^(1/p); p != 2 adds a learnable logit scale
+    # LATE: added after the CPU studies' results, hashed only away from their defaults (the old QK-Norm)
+    q_gain: bool = field(default=True, metadata=LATE)  # False: parameter-free RMS on q (DeepSeek-V4 style)
+    stats: str = field(default="head", metadata=LATE)  # head | flat: per head, or over all of a token's heads
+    gains: str = field(default="shared", metadata=LATE)  # shared | head: one gain vector for all heads, or each
+    p: float = field(default=2.0, metadata=LATE)  # the statistic (mean |x|^p)^(1/p); p != 2: a learnable scale
 
     def validate(self) -> None:
         if self.gain_init <= 0:

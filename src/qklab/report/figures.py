@@ -202,9 +202,14 @@ def _by_rate(title: str, ylabel: str, log_y: bool = False):
         _rate_lines(ax, series)
         ax.set_title(f"{title}: {_panel_title(att)} (x: a seed diverged)", fontsize=9)
         ax.set_ylabel(ylabel)
-        if log_y:
+        if log_y and _any_positive(series, "mean"):
             ax.set_yscale("log")
     return panel
+
+
+def _any_positive(series, key: str) -> bool:
+    """Whether any series has a finite value > 0 (a log axis needs one: failed cells have none)."""
+    return any(np.any(np.nan_to_num(np.array(s[key], dtype=float), nan=0.0, posinf=0.0) > 0) for s in series.values())
 
 
 def _rate_lines(ax, series) -> None:
@@ -218,7 +223,8 @@ def _rate_lines(ax, series) -> None:
         if bad:
             top = np.nanmax(y) if np.isfinite(y).any() else 1.0
             ax.plot(bad, [top] * len(bad), "x", color=line.get_color(), markersize=10)
-    ax.set_xscale("log")
+    if _any_positive(series, "lr"):
+        ax.set_xscale("log")
     ax.set_xlabel("learning rate")
 
 

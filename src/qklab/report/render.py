@@ -176,8 +176,11 @@ def _progress(name: str, study: dict, results: list[dict]) -> str:
 def _header(analysis: dict, dirs: list[str], results: list[dict]) -> list[str]:
     studies = analysis["studies"]
     shas = analysis.get("git_shas", {})  # sha -> number of cells that finished under it
+    skipped = analysis.get("skipped") or []
     lines = [f"Results: {analysis['n_results']} cells from {', '.join(dirs)}; studies: "
-             f"{', '.join(sorted(studies)) or '-'}."]
+             f"{', '.join(sorted(studies)) or '-'}."
+             + (f" Skipped {len(skipped)} damaged or duplicate file(s): "
+                + "; ".join(skipped[:5]) + ("; ..." if len(skipped) > 5 else "") + "." if skipped else "")]
     for name, s in sorted(studies.items()):
         p = s.get("protocol", {})
         per_variant = f" (per variant: {p.get('lr_mults_for')})" if p.get("lr_mults_for") else ""
@@ -199,12 +202,23 @@ def _header(analysis: dict, dirs: list[str], results: list[dict]) -> list[str]:
     return lines
 
 
-def write_report(dirs: list[str | Path], out: str | Path | None = None, title: str = "qklab report") -> Path:
-    """Write report.{md,html,json} and the figures to ``out`` (default: the first folder's report/)."""
-    results, studies = load_results(dirs)
-    if not results:
-        raise ReportError(f"no result.json under {', '.join(map(str, dirs))}; run `qklab study run` first")
+def write_report(dirs: list[str | Path], out: str | Path | None = None, title: str = "qklab report",
+                 warn=None) -> Path:
+    """Write report.{md,html,json} and the figures to ``out`` (default: the first folder's report/). Damaged
+    files and duplicate cells are named through ``warn`` (one line each), skipped, and counted in the report."""
+    for d in dirs:
+        if not Path(d).is_dir():
+            raise ReportError(f"{d}: no such folder; give folders holding result.json files")
+    problems: list[str] = []
+    results, studies = load_results(dirs, problems)
+    if not results:  # one line: the error, naming the first damaged file
+        raise ReportError(f"no result.json under {', '.join(map(str, dirs))}"
+                          + (f" ({len(problems)} damaged or duplicate file(s) skipped; {problems[0]})" if problems
+                             else "") + "; run `qklab study run` first")
+    for msg in problems:
+        (warn or (lambda m: None))(f"warning: {msg}")
     analysis = analyze(results, studies)
+    analysis["skipped"] = problems
     for g in analysis["groups"]:
         g["multi"] = len(studies) > 1
     analysis["git_shas"] = dict(Counter(str(r["git_sha"]) for r in results if r.get("git_sha")))
@@ -271,7 +285,8 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
                                      f"{html.escape(title)}</title><style>{style}</style></head><body>"
                                      + "\n".join(body) + "</body></html>\n")
     # what the report was built from, so that it can be checked against those files while a study goes on
-    made_from = {"sources": [str(d) for d in dirs], "cells": sorted(f"{r['study']}/{r['cell']}" for r in results)}
+    made_from = {"sources": [str(d) for d in dirs], "skipped": problems,
+                 "cells": sorted(f"{r.get('study', '')}/{r['cell']}" for r in results)}
     write_json_atomic(out / "report.json", {**made_from, "figures": data,
                                             "tables": {k: {"head": h, "rows": r} for k, (h, r) in tables.items()}})
     return out

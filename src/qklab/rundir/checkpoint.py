@@ -12,7 +12,8 @@ folder, and temporary folders of dead writers are removed before the next write.
 
 Loading checks the manifest first: a truncated, altered or missing file makes the checkpoint unusable,
 and ``latest_checkpoint`` / ``newest_usable`` fall back to the newest good one and say which was skipped.
-Checkpoints written before manifests existed (no ``manifest.json``) are accepted unverified.
+Checkpoints written before manifests existed (no ``manifest.json``) are accepted unverified where the caller
+allows it (``unverified=True``: resuming a run); the readers (probe, export) refuse them unless asked.
 """
 
 from __future__ import annotations
@@ -136,13 +137,17 @@ def _missing(path: Path) -> list[str]:
     return [*weights, *([] if (path / STATE).is_file() else [STATE])]
 
 
-def verify_checkpoint(path: Path) -> str | None:
-    """None when every file matches the manifest; otherwise what is wrong, in a few words."""
+NO_MANIFEST = f"no {MANIFEST} (written before manifests, so it cannot be verified)"
+
+
+def verify_checkpoint(path: Path, unverified: bool = True) -> str | None:
+    """None when every file matches the manifest; otherwise what is wrong, in a few words. A checkpoint
+    without a manifest passes unchecked when ``unverified``, and is refused otherwise."""
     missing = _missing(path)
     if missing:
         return f"{', '.join(missing)} missing"
     if not (path / MANIFEST).is_file():
-        return None  # written before manifests: accepted unverified
+        return None if unverified else NO_MANIFEST
     try:
         files = json.loads((path / MANIFEST).read_text())["files"]
         want = {n: (int(f["bytes"]), str(f["sha256"])) for n, f in files.items()}
@@ -196,23 +201,26 @@ def newest_usable(ckpt_dir: Path, warn: Callable[[str], None] | None = None) -> 
     return None
 
 
-def latest_checkpoint(ckpt_dir: Path, warn: Callable[[str], None] | None = None) -> Path | None:
+def latest_checkpoint(ckpt_dir: Path, warn: Callable[[str], None] | None = None, unverified: bool = True,
+                      skipped: list[str] | None = None) -> Path | None:
     """The newest checkpoint whose files match their manifest, else None; damaged ones are skipped (and
-    reported through ``warn``)."""
-    skipped = []
+    reported through ``warn``, and listed in ``skipped``)."""
+    skipped = [] if skipped is None else skipped
     for cand in _candidates(ckpt_dir):
-        problem = verify_checkpoint(cand)
+        problem = verify_checkpoint(cand, unverified)
         if problem is None:
             if skipped and warn is not None:
                 warn(f"warning: {'; '.join(skipped)}; using {cand.name}, the newest good checkpoint")
             return cand
-        skipped.append(f"checkpoint {cand} is damaged: {problem}")
+        skipped.append(f"checkpoint {cand} is {'unverified' if problem == NO_MANIFEST else 'damaged'}: {problem}")
     return None
 
 
-def read_state(path: Path) -> dict[str, Any]:
+def read_state(path: Path, unverified: bool = True) -> dict[str, Any]:
     """Verify the checkpoint and load its state (everything but the weights)."""
-    problem = verify_checkpoint(path)
+    problem = verify_checkpoint(path, unverified)
+    if problem == NO_MANIFEST:
+        raise CheckpointError(f"checkpoint {path} is unverified: {problem}; pass --allow-unverified to use it anyway")
     if problem is not None:
         raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
     try:
@@ -239,8 +247,8 @@ def load_weights(path: Path, model: nn.Module) -> None:
         raise CheckpointError(f"checkpoint {path}: weights do not fit the model ({first[:200]})") from None
 
 
-def load_checkpoint(path: Path, model: nn.Module) -> dict[str, Any]:
+def load_checkpoint(path: Path, model: nn.Module, unverified: bool = True) -> dict[str, Any]:
     """Verify, load weights into ``model`` (strict) and return the rest of the state."""
-    state = read_state(path)
+    state = read_state(path, unverified)
     load_weights(path, model)
     return state

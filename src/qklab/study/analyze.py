@@ -20,23 +20,73 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from qklab.study.result import num, read_result
+from qklab.study.result import load_result, num, read_json
 from qklab.study.stats import describe, paired_difference
 
 
-def load_results(dirs: list[str | Path]) -> tuple[list[dict], dict[str, dict]]:
-    """Every ``result.json`` under the given folders, and every ``study.json`` (name -> study)."""
+def study_problem(s: Any) -> str | None:
+    """None for a usable ``study.json``; otherwise what is wrong with it, in a few words."""
+    if not isinstance(s, dict):
+        return f"a JSON {type(s).__name__}, not a study object"
+    if not isinstance(s.get("name"), str) or not s["name"]:
+        return "no study name"
+    kinds = {"protocol": dict, "variants": dict, "cells": list, "seeds": list}
+    bad = [k for k, t in kinds.items() if s.get(k) is not None and not isinstance(s[k], t)]
+    ref = s.get("protocol", {}).get("reference") if isinstance(s.get("protocol"), dict) else None
+    if ref is not None and not isinstance(ref, str | dict):
+        bad.append("protocol.reference")
+    if isinstance(s.get("cells"), list) and not all(isinstance(c, str) for c in s["cells"]):
+        bad.append("cells")
+    return f"{', '.join(bad)} of the wrong type" if bad else None
+
+
+def load_results(dirs: list[str | Path], problems: list[str] | None = None) -> tuple[list[dict], dict[str, dict]]:
+    """Every ``result.json`` under the given folders, and every ``study.json`` (name -> study).
+
+    A damaged file (not UTF-8, not JSON, not an object, missing fields) is skipped and named in
+    ``problems``. A cell is its study, cell id and config hash: a file found twice (the same folder given
+    twice, a folder and its parent) is read once, and a copy of a cell already read (another folder) is
+    counted once and named in ``problems``; so is a second result of the same cell with another hash."""
+    problems = [] if problems is None else problems
     results, studies = [], {}
+    seen_files: set[Path] = set()
+    seen_cells: dict[tuple, tuple[Path, Any]] = {}  # (study, cell) -> (file, hash)
+    folders = []
+    for d in dirs:
+        d = Path(d)
+        if d.resolve() not in folders:
+            folders.append(d.resolve())
     for d in dirs:
         d = Path(d)
         for p in sorted(d.rglob("study.json")):
-            s = read_result(p)
-            if s is not None:
-                studies[s.get("name", p.parent.name)] = s
+            if p.resolve() in seen_files:
+                continue
+            seen_files.add(p.resolve())
+            s, problem = read_json(p)
+            problem = problem or study_problem(s)
+            if problem:
+                problems.append(f"{p}: damaged study file ({problem}); skipped")
+            else:
+                studies.setdefault(s["name"], s)
         for p in sorted(d.rglob("result.json")):
-            r = read_result(p)
-            if r is not None and "cell" in r:
-                results.append(r)
+            if p.resolve() in seen_files:  # the same file through overlapping folders
+                continue
+            seen_files.add(p.resolve())
+            r, problem = load_result(p)
+            if problem:
+                problems.append(f"damaged result file {problem}; skipped")
+                continue
+            if r is None:
+                continue
+            key = (r.get("study", ""), r["cell"])
+            if key in seen_cells:
+                first, h = seen_cells[key]
+                what = "a copy of" if h == r.get("cell_hash") else "another config's result of"
+                problems.append(f"{p}: {what} cell {key[1]} of study {key[0] or '?'} (already read from {first}); "
+                                "counted once")
+                continue
+            seen_cells[key] = (p, r.get("cell_hash"))
+            results.append(r)
     return results, studies
 
 

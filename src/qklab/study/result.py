@@ -140,9 +140,73 @@ def failed_result(header: dict[str, Any], message: str, cell_hash: str | None, s
             "cell_hash": cell_hash, "seconds": seconds}
 
 
-def read_result(path: Path) -> dict[str, Any] | None:
-    """A result file, or None when it is missing or unreadable (then the cell counts as not done)."""
+def read_json(path: Path) -> tuple[Any, str | None]:
+    """A JSON file's value and None, or (None, what is wrong in a few words) when it is missing (``"missing"``),
+    unreadable, not UTF-8 or not JSON."""
     try:
-        return json.loads(Path(path).read_text(), parse_constant=float)
-    except (OSError, json.JSONDecodeError):
+        text = Path(path).read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        return None, "missing"
+    except OSError as e:
+        return None, f"unreadable ({e.strerror or type(e).__name__})"
+    except UnicodeDecodeError:
+        return None, "not UTF-8 text"
+    try:
+        return json.loads(text, parse_constant=float), None
+    except (json.JSONDecodeError, RecursionError) as e:
+        return None, f"not valid JSON ({str(e).splitlines()[0][:80]})"
+
+
+def read_result(path: Path) -> dict[str, Any] | None:
+    """A JSON object from a file, or None when it is missing, unreadable or not an object (then a cell
+    counts as not done)."""
+    data, _ = read_json(path)
+    return data if isinstance(data, dict) else None
+
+
+STATUSES = ("ok", "diverged", "failed")
+
+
+def _is_num(v: Any) -> bool:
+    if isinstance(v, bool):
+        return False
+    if isinstance(v, int | float):
+        return True
+    return isinstance(v, str) and v in ("nan", "inf", "-inf")
+
+
+def result_problem(res: Any) -> str | None:
+    """None for a result a report and the runner can use; otherwise what is wrong with it, in a few words."""
+    if not isinstance(res, dict):
+        return f"a JSON {type(res).__name__}, not a result object"
+    missing = [k for k in ("cell", "variant", "lr_mult", "seed", "status") if k not in res]
+    if missing:
+        return f"no {', '.join(missing)} field{'s' if len(missing) > 1 else ''}"
+    if not (isinstance(res["cell"], str) and res["cell"] and isinstance(res["variant"], str) and res["variant"]):
+        return "cell and variant must be names"
+    if res["status"] not in STATUSES:
+        return f"status {res['status']!r} is none of {', '.join(STATUSES)}"
+    if not _is_num(res["lr_mult"]) or type(res["seed"]) is not int:
+        return "lr_mult must be a number and seed an integer"
+    if not isinstance(res.get("point", {}), dict) or not isinstance(res.get("study", ""), str):
+        return "point must be an object and study a name"
+    if res["status"] == "failed":
         return None
+    final = res.get("final")
+    if not isinstance(final, dict) or not all(_is_num(final.get(k)) for k in ("val_loss", "report_loss")):
+        return "a finished result without final val_loss and report_loss"
+    if not isinstance(res.get("diverged"), bool) or not _is_num(res.get("lr")):
+        return "a finished result without diverged (true/false) and lr"
+    if not isinstance(res.get("curves", {}), dict) or not isinstance(res.get("cell_hash", ""), str | None):
+        return "curves must be an object and cell_hash a string"
+    return None
+
+
+def load_result(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(result, None) for a usable result file, (None, None) when there is none, and (None, problem) when the
+    file is damaged: the caller names it and skips it, never counting it as done."""
+    data, problem = read_json(path)
+    if problem == "missing":
+        return None, None
+    problem = problem or result_problem(data)
+    return (None, f"{path}: {problem}") if problem else (data, None)

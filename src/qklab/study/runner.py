@@ -8,10 +8,18 @@
         <cell>/result.json          one per finished or failed cell
 
 A cell whose result file exists, says ok or diverged and matches the cell's config hash is done and
-skipped, so a study continues from committed results alone, on another machine. A cell with the same
-config hash as a finished cell of another study listed in ``[protocol] reuse`` is copied, not rerun. A
-failed cell is run again. An interrupted cell resumes from its last checkpoint. Each worker process gets
-an equal share of the CPU threads. Data is prepared once per distinct ``data.*`` config, before any cell starts.
+skipped, so a study continues from committed results alone, on another machine. A damaged result file is
+named and its cell run again; a result of another config stays until its successor replaces it (by rename).
+A cell with the same config hash as a finished cell of another study listed in ``[protocol] reuse`` is
+copied, not rerun. A failed cell is run again. An interrupted cell resumes from its last checkpoint. Each
+worker process gets an equal share of the CPU threads (or ``threads``). Data is prepared once per distinct
+``data.*`` config, before any cell starts; within a seed the costliest cells start first.
+
+One writer per folder: the study process holds ``<out>/.lock`` and ``<results>/.lock`` (flock, dropped by
+the kernel however the process ends); a second study on either is refused, and a results folder holding
+another study's ``study.json`` is refused. Workers die with the study: each watches a pipe whose only
+writer is the study process (and has a parent-death signal on Linux), and on its end stops as on SIGTERM,
+after a checkpoint.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -33,8 +42,16 @@ from typing import Any
 from tqdm import tqdm
 
 from qklab.config import ConfigError, RunConfig
-from qklab.rundir.folder import RunLock, RunLockError
-from qklab.study.result import build_result, cell_header, failed_result, read_result, write_json_atomic
+from qklab.rundir.folder import LOCK, RunLock, RunLockError
+from qklab.study.result import (
+    build_result,
+    cell_header,
+    failed_result,
+    load_result,
+    read_json,
+    read_result,
+    write_json_atomic,
+)
 from qklab.study.spec import Cell, Study
 
 DONE = ("ok", "diverged")
@@ -51,6 +68,9 @@ class Outcome:
     stopped: list[str] = field(default_factory=list)  # stopped by a signal after a checkpoint: resumable
     busy: list[str] = field(default_factory=list)  # another process held the run folder: not run, not failed
     not_started: list[str] = field(default_factory=list)  # queued when a cell was stopped
+    damaged: list[str] = field(default_factory=list)  # result files that could not be used (named, run again)
+    holders: dict[str, str] = field(default_factory=dict)  # busy cell id -> the pid holding its run folder
+    signal: int | None = None  # the study itself was stopped by this signal (its cells after a checkpoint)
 
     def counts(self) -> Counter:
         return Counter(r["status"] for r in self.results.values())
@@ -112,8 +132,22 @@ def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, pro
         traceback.print_exc()
         res = failed_result(header, f"{type(e).__name__}: {e}".splitlines()[0], chash, time.time() - t0)
     res["cpu_seconds"] = _cpu_seconds() - cpu0  # this process's CPU time (user + system) for the cell
-    write_json_atomic(results / cell.id / "result.json", res)
+    publish(results, cell.id, res)
     return res
+
+
+def publish(results: Path, cell_id: str, res: dict[str, Any]) -> None:
+    """Write a cell's result.json atomically. A failure is no successor: a finished result of another
+    config in its place is first moved aside to ``result.<its hash>.json`` (a damaged one to
+    ``result.damaged.json``), never overwritten."""
+    path = results / cell_id / "result.json"
+    if res.get("status") == "failed" and path.is_file():
+        old, problem = load_result(path)
+        if problem is not None or (old.get("status") in DONE and old.get("cell_hash") != res.get("cell_hash")):
+            aside = f"result.{old.get('cell_hash') or 'unhashed'}.json" if problem is None else "result.damaged.json"
+            with contextlib.suppress(OSError):
+                os.replace(path, path.with_name(aside))
+    write_json_atomic(path, res)
 
 
 def _cpu_seconds() -> float:
@@ -137,31 +171,75 @@ def _probe(run_dir: Path, max_mult: int) -> dict[str, Any]:
             "magnitude": {k: (full.get("magnitude") or {}).get(k) for k in ("scales", "js_mean")}}
 
 
-def _worker(cell: Cell, study: str, out: Path, results: Path, threads: int, probe: int) -> None:
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM to this process when its parent dies (a parent-death signal; the parent of a
+    forkserver worker is the fork server, which lives as long as the study's workers)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def _watch_study(alive) -> None:
+    """Worker thread: ``alive`` is the read end of a pipe whose only writer is the study process; it reads
+    end-of-file when the study is gone, however it ended (SIGKILL included). The worker then stops as on
+    SIGTERM (a checkpoint at the next step), and exits for good after the grace period."""
+    try:
+        while True:
+            alive.recv()
+    except (EOFError, OSError):
+        pass
+    print("the study process is gone; stopping this cell after a checkpoint", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(STOP_GRACE_S)
+    os._exit(128 + signal.SIGKILL)
+
+
+def _worker(cell: Cell, study: str, out: Path, results: Path, threads: int, probe: int, alive=None) -> None:
     """Entry point of a worker process: everything it prints goes to the cell's log."""
+    _die_with_parent()
+    if alive is not None:
+        import threading
+
+        threading.Thread(target=_watch_study, args=(alive,), name="qklab-watch-study", daemon=True).start()
     log = out / "logs" / f"{cell.id}.log"
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
-    from qklab.train.signals import RunInterrupted
+    from qklab.train.signals import RunInterrupted, TermRaises
 
     try:
-        run_cell(cell, study, out, results, threads, probe)
+        with TermRaises():  # SIGTERM before the training loop (data, setup) stops the cell too, in one line
+            run_cell(cell, study, out, results, threads, probe)
     except RunInterrupted as e:
         print(f"stopped: {e}")
         sys.exit(e.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop: nothing to checkpoint yet
+        print("stopped: SIGINT")
+        sys.exit(128 + signal.SIGINT)
     except RunLockError as e:
         print(f"not run: {e}")
         sys.exit(BUSY)
 
 
-def _busy(cell: Cell, outcome: Outcome, log) -> None:
+def _busy(cell: Cell, outcome: Outcome, log, out: Path) -> None:
     """Another process holds the cell's run folder: no result is written, and the next run retries it."""
     outcome.ran.append(cell.id)
     outcome.busy.append(cell.id)
-    log(f"  {cell.id}: not run: another process is training it in its run folder (see its log); "
+    run_dir = out / "cells" / cell.id
+    try:
+        holder = (run_dir / LOCK).read_text().strip() or "unknown"
+    except (OSError, UnicodeDecodeError):
+        holder = "unknown"
+    outcome.holders[cell.id] = holder
+    log(f"  {cell.id}: not run: another process (pid {holder}) is training it in {run_dir}; "
         "run the same command again once that process has finished")
 
 
@@ -177,8 +255,6 @@ def _context():
 
 def _last_step(run_dir: Path) -> int:
     """The step of the last record in a running cell's metrics.jsonl (0 if none yet)."""
-    import json
-
     p = run_dir / "metrics.jsonl"
     try:
         with open(p, "rb") as f:
@@ -194,9 +270,14 @@ def _last_step(run_dir: Path) -> int:
     return 0
 
 
-def cell_status(cell: Cell, results: Path) -> tuple[str, dict | None]:
-    """'done' (a matching ok/diverged result exists), 'stale' (one exists for another config) or 'todo'."""
-    res = read_result(results / cell.id / "result.json")
+def cell_status(cell: Cell, results: Path, warn=None) -> tuple[str, dict | None]:
+    """'done' (a matching ok/diverged result exists), 'stale' (one exists for another config), 'damaged'
+    (a result file that cannot be used: named through ``warn``, never counted as done) or 'todo'."""
+    res, problem = load_result(results / cell.id / "result.json")
+    if problem is not None:
+        if warn is not None:
+            warn(f"warning: damaged result file {problem}; cell {cell.id} counts as not done")
+        return "damaged", None
     if res is None or res.get("status") not in DONE:
         return "todo", res
     if res.get("cell_hash") == cell.hash:
@@ -209,7 +290,7 @@ def cell_status(cell: Cell, results: Path) -> tuple[str, dict | None]:
     return "stale", res
 
 
-def reuse_index(folders: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
+def reuse_index(folders: list[str], warn=None) -> dict[str, tuple[str, dict[str, Any]]]:
     """Finished (ok or diverged) results of other studies by config hash: a cell of this study with the same
     hash computes exactly what that cell computed, so its result is copied (under this study's name, cell
     id and grid point, with ``reused_from``) instead of being trained again."""
@@ -220,7 +301,9 @@ def reuse_index(folders: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
             raise ConfigError(f"[protocol] reuse: no result folder {folder} (relative to {Path.cwd()}); "
                               "fix the path or drop it from the list")
         for f in sorted(path.glob("*/result.json")):
-            res = read_result(f)
+            res, problem = load_result(f)
+            if problem is not None and warn is not None:
+                warn(f"warning: [protocol] reuse: damaged result file {problem}; skipped")
             if res is not None and res.get("status") in DONE and res.get("cell_hash"):
                 index.setdefault(res["cell_hash"], (f"{folder.rstrip('/')}/{f.parent.name}", res))
     return index
@@ -234,15 +317,95 @@ def reusable(cell: Cell, study: Study, index: dict) -> tuple[str, dict[str, Any]
 
 
 def run_study(study: Study, out: Path, results: Path | None = None, workers: int = 1,
-              log=print) -> Outcome:
-    """Run every cell that is not done; ``workers`` processes at a time (0: in this process, serially)."""
+              log=print, threads: int | None = None, warn=None) -> Outcome:
+    """Run every cell that is not done; ``workers`` processes at a time (0: in this process, serially), each
+    on ``threads`` CPU threads (default: an equal share of the machine's). ``warn`` (default ``log``) hears
+    about damaged files, one line each."""
     out, results = Path(out), Path(results or Path(out) / "results")
+    if threads is not None and (type(threads) is not int or threads < 1):
+        raise ConfigError(f"--threads {threads}: use 1 or more threads per cell")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     lock = _study_lock(study, out)  # before anything is written: a second run of the study changes nothing
     try:
-        return _run_study(study, out, results, workers, log)
+        rlock = _results_lock(study, out, results)
+        try:
+            return _run_study(study, out, results, workers, log, threads, warn or log)
+        finally:
+            rlock.release()
     finally:
         lock.release()
+
+
+class _NoLock:
+    def release(self) -> None:
+        pass
+
+
+def _results_lock(study: Study, out: Path, results: Path):
+    """One writer per results folder: an exclusive lock on ``<results>/.lock`` (the study folder's lock
+    when both are one folder), then the folder's ``study.json`` must be this study's (or absent)."""
+    results.mkdir(parents=True, exist_ok=True)
+    if results.resolve() == out.resolve():
+        lock = _NoLock()
+    else:
+        try:
+            lock = RunLock(results)
+        except RunLockError as e:
+            pid = e.holder
+            raise ConfigError(f"results folder {results} is in use by another qklab study run (pid {pid}); wait for "
+                              "it to finish, or give another --results") from None
+    try:
+        _check_owner(study, results)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _check_owner(study: Study, results: Path) -> None:
+    data, problem = read_json(results / "study.json")
+    if problem == "missing":
+        return
+    name = data.get("name") if isinstance(data, dict) else None
+    if isinstance(name, str) and name != study.name:
+        raise ConfigError(f"results folder {results} holds the results of study '{name}' (its study.json), not of "
+                          f"'{study.name}'; give another --results")
+
+
+def _write_study_json(study: Study, results: Path, warn) -> None:
+    """``study.json`` as run; an unchanged one is left alone (a committed file stays byte for byte)."""
+    path = results / "study.json"
+    data, problem = read_json(path)
+    want = json.loads(json.dumps(study.to_dict(), default=str))
+    if problem is None and data == want:
+        return
+    if problem not in (None, "missing") or (problem is None and not isinstance(data, dict)):
+        warn(f"warning: damaged {path} ({problem or 'not an object'}); written anew")
+    write_json_atomic(path, study.to_dict())
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    """Which file is at ``path`` now (inode, mtime, size): a worker's result is new when this changed."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def expected_cost(cell: Cell) -> float:
+    """The relative cost of a cell: tokens trained x parameters of its blocks (a ladder's widths differ)."""
+    m, t = cell.cfg.model, cell.cfg.train
+    tokens = float(t.steps) * t.batch_size * getattr(t, "grad_accum", 1) * t.seq_len
+    return tokens * m.n_layers * (12 * m.d_model ** 2 + t.seq_len * m.d_model)
+
+
+def queue_order(cells: list[Cell], study: Study) -> list[Cell]:
+    """Seed by seed (a study cut short still has every variant at its first seeds), within a seed the
+    costliest first, so that unequal cells pack the workers (ties: the study's order)."""
+    pos = {c.id: i for i, c in enumerate(study.cells)}
+    seeds = {s: i for i, s in enumerate(study.seeds)}
+    return sorted(cells, key=lambda c: (seeds.get(c.seed, len(seeds)), -expected_cost(c), pos.get(c.id, 0)))
 
 
 def _study_lock(study: Study, out: Path):
@@ -258,17 +421,18 @@ def _study_lock(study: Study, out: Path):
                           "or give another --out") from None
 
 
-def _run_study(study: Study, out: Path, results: Path, workers: int, log) -> Outcome:
+def _run_study(study: Study, out: Path, results: Path, workers: int, log, threads: int | None, warn) -> Outcome:
     from qklab.data import prepare_data
 
-    results.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(results / "study.json", study.to_dict())
+    _write_study_json(study, results, warn)
     outcome = Outcome()
     todo: list[Cell] = []
     stale = reused = 0
-    index = reuse_index(study.protocol.reuse)
+    index = reuse_index(study.protocol.reuse, warn)
     for cell in study.cells:
-        status, res = cell_status(cell, results)
+        status, res = cell_status(cell, results, warn)
+        if status == "damaged":
+            outcome.damaged.append(cell.id)
         src = reusable(cell, study, index) if status != "done" else None
         if src is not None:
             res = {**src[1], **cell_header(cell, study.name, Path(str(src[1].get("log")))), "reused_from": src[0]}
@@ -282,6 +446,7 @@ def _run_study(study: Study, out: Path, results: Path, workers: int, log) -> Out
     log(f"study {study.name}: {len(study.cells)} cells, {len(outcome.skipped)} done"
         + (f" ({reused} reused from {', '.join(study.protocol.reuse)})" if reused else "")
         + f", {len(todo)} to run" + (f" ({stale} with results of a changed config)" if stale else "")
+        + (f" ({len(outcome.damaged)} with a damaged result file)" if outcome.damaged else "")
         + f"; results in {results}")
     if not todo:
         return outcome
@@ -298,25 +463,35 @@ def _run_study(study: Study, out: Path, results: Path, workers: int, log) -> Out
             msg = f"data preparation failed: {type(e).__name__}: {e}".splitlines()[0]
             for cell in cells:
                 res = failed_result(cell_header(cell, study.name, out / "logs" / f"{cell.id}.log"), msg, None, 0.0)
-                write_json_atomic(results / cell.id / "result.json", res)
+                publish(results, cell.id, res)
                 outcome.results[cell.id] = res
                 outcome.ran.append(cell.id)
             log(f"  {len(cells)} cell(s) failed: {msg}")
-    runnable.sort(key=todo.index)
-    for cell in runnable:  # an old result of a cell about to run must not be mistaken for its new one
-        (results / cell.id / "result.json").unlink(missing_ok=True)
-    threads = max(1, (os.cpu_count() or 1) // max(workers, 1))
+    # an old result (another config's) stays until the cell's new result replaces it by rename; the pool
+    # tells the new one from it by the file's identity
+    runnable = queue_order(runnable, study)
+    threads = threads or max(1, (os.cpu_count() or 1) // max(workers, 1))
     steps = {c.id: c.cfg.train.steps for c in runnable}
     bar = tqdm(total=sum(steps.values()), unit="step", desc=study.name, dynamic_ncols=True,
                disable=not sys.stderr.isatty() and not os.environ.get("QKLAB_PROGRESS"))
     try:
         if workers <= 0:
-            for cell in runnable:
+            from qklab.train.signals import RunInterrupted
+
+            for i, cell in enumerate(runnable):
                 try:
                     res = run_cell(cell, study.name, out, results, threads, study.protocol.probe)
                 except RunLockError:
-                    _busy(cell, outcome, log)
+                    _busy(cell, outcome, log, out)
                     continue
+                except (RunInterrupted, KeyboardInterrupt) as e:  # stopped after a checkpoint: resumable
+                    log(f"  {cell.id}: stopped by a signal; the next run resumes it")
+                    outcome.ran.append(cell.id)
+                    outcome.stopped.append(cell.id)
+                    outcome.not_started += [c.id for c in runnable[i + 1:]]
+                    code = getattr(e, "exit_code", 128 + signal.SIGINT)
+                    outcome.signal = code - 128
+                    break
                 bar.update(steps[cell.id])
                 _finish(cell, res, outcome, bar, steps, log)
         else:
@@ -326,7 +501,9 @@ def _run_study(study: Study, out: Path, results: Path, workers: int, log) -> Out
     c = outcome.counts()
     log(f"study {study.name}: {c['ok']} ok, {c['diverged']} diverged, {c['failed']} failed "
         f"({len(outcome.ran)} run now, {len(outcome.skipped)} skipped"
-        + (f", {len(outcome.busy)} busy in another process" if outcome.busy else "") + ")")
+        + (f", {len(outcome.busy)} busy in another process" if outcome.busy else "")
+        + (f", {len(outcome.stopped)} stopped, {len(outcome.not_started)} not started" if outcome.signal else "")
+        + ")")
     return outcome
 
 
@@ -354,16 +531,25 @@ def _pool(cells: list[Cell], study: Study, out: Path, results: Path, workers: in
           outcome: Outcome, bar, steps: dict[str, int], log) -> None:
     ctx = _context()
     queue, running = list(cells), {}
+    before: dict[str, tuple | None] = {}  # cell id -> the result file there when its worker started
+    alive_r, alive_w = ctx.Pipe(duplex=False)  # the study is the only writer: workers read EOF when it is gone
     old_term = signal.signal(signal.SIGTERM, _raise_interrupt)  # a scheduler's SIGTERM: stop the workers too
     counted: dict[str, int] = {}
     progress = {"steps": 0}
     t_start = last_note = time.time()
+    stop: int | None = None
+
+    def new_result(cid: str) -> dict | None:
+        path = results / cid / "result.json"
+        return read_result(path) if _stamp(path) != before.get(cid) else None
+
     try:
         while queue or running:
             while queue and len(running) < workers:
                 cell = queue.pop(0)
+                before[cell.id] = _stamp(results / cell.id / "result.json")
                 p = ctx.Process(target=_worker, name=f"qklab-{cell.id}", daemon=False,
-                                args=(cell, study.name, out, results, threads, study.protocol.probe))
+                                args=(cell, study.name, out, results, threads, study.protocol.probe, alive_r))
                 p.start()
                 running[cell.id] = (cell, p)
             _show_running(bar, len(running), outcome, len(queue))
@@ -377,8 +563,8 @@ def _pool(cells: list[Cell], study: Study, out: Path, results: Path, workers: in
                     continue
                 p.join()
                 del running[cid]
-                res = read_result(results / cid / "result.json")
-                if res is None and p.exitcode in STOPPED:  # stopped by a signal after a checkpoint: not done,
+                res = new_result(cid)
+                if res is None and _stopped_code(p.exitcode):  # stopped by a signal after a checkpoint: not done,
                     log(f"  {cid}: stopped by a signal; the next run resumes it")  # not failed
                     outcome.ran.append(cid)
                     outcome.stopped.append(cid)
@@ -388,13 +574,13 @@ def _pool(cells: list[Cell], study: Study, out: Path, results: Path, workers: in
                         queue.clear()
                     continue
                 if res is None and p.exitcode == BUSY:
-                    _busy(cell, outcome, log)
+                    _busy(cell, outcome, log, out)
                     continue
                 if res is None or (p.exitcode != 0 and res.get("status") not in DONE + ("failed",)):
                     res = failed_result(cell_header(cell, study.name, out / "logs" / f"{cid}.log"),
                                         f"worker process exited with code {p.exitcode} before writing a result",
                                         None, 0.0)
-                    write_json_atomic(results / cid / "result.json", res)
+                    publish(results, cid, res)
                 _finish(cell, res, outcome, bar, steps, log)
             if bar.disable and time.time() - last_note > 60:  # no terminal: a line a minute, with an ETA
                 c, done, total = outcome.counts(), progress["steps"], sum(steps.values())
@@ -403,10 +589,10 @@ def _pool(cells: list[Cell], study: Study, out: Path, results: Path, workers: in
                     f"failed {c['failed']}, queued {len(queue)}; ETA {eta / 60:.1f} min")
                 last_note = time.time()
     except KeyboardInterrupt as e:
+        stop = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT
         if not isinstance(e, _Terminated):  # Ctrl-C reached the workers too (same process group): each
             for _, p in running.values():  # checkpoints at its next step and exits
                 p.join(timeout=STOP_GRACE_S)
-        raise
     finally:
         signal.signal(signal.SIGTERM, old_term)
         for _, p in running.values():  # ask once (SIGTERM: checkpoint at the next step), then insist
@@ -417,6 +603,25 @@ def _pool(cells: list[Cell], study: Study, out: Path, results: Path, workers: in
             if p.is_alive():
                 p.kill()
                 p.join()
+        alive_w.close()
+        alive_r.close()
+    if stop is None:
+        return
+    outcome.signal = stop  # the study itself was stopped: what each running cell did, and what never started
+    for cid, (cell, _p) in running.items():
+        res = new_result(cid)
+        if res is not None:  # it finished before it heard the signal
+            _finish(cell, res, outcome, bar, steps, log)
+        else:
+            log(f"  {cid}: stopped by {signal.Signals(stop).name}; the next run resumes it")
+            outcome.ran.append(cid)
+            outcome.stopped.append(cid)
+    outcome.not_started += [c.id for c in queue]
+
+
+def _stopped_code(code: int | None) -> bool:
+    """A worker's exit after a signal: RunInterrupted's 128 + N, or killed by SIGTERM/SIGINT itself."""
+    return code in STOPPED or (code is not None and -code in (signal.SIGTERM, signal.SIGINT))
 
 
 class _Terminated(KeyboardInterrupt):

@@ -32,9 +32,11 @@ config is built and validated once, here, and carried on the cell with its hash 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import itertools
 import json
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -42,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from qklab.config import NEUTRAL, ConfigError, RunConfig, _parse_value, check_run_name, from_dict, read_preset, set_key
+from qklab.methods import CONTROLLERS, METHODS
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -186,6 +189,11 @@ def _computing(cfg: RunConfig) -> dict[str, Any]:
     for key in NEUTRAL:  # "train.out_dir": where it writes, how it shows progress, its threads
         sec, _, k = key.partition(".")
         d[sec].pop(k, None)
+    for name, opts in d["qk"].get("options", {}).items():  # options added later count only when set
+        cls = (METHODS.get(name) or CONTROLLERS.get(name)).Options
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("late") and f.name in opts and opts[f.name] == f.default:
+                del opts[f.name]
     return d
 
 
@@ -195,13 +203,19 @@ def _need(cond: bool, where: str, msg: str) -> None:
 
 
 def _num_list(v: Any, where: str) -> list[float]:
-    ok = isinstance(v, list) and v and all(isinstance(x, int | float) and not isinstance(x, bool) and x > 0 for x in v)
+    ok = isinstance(v, list) and v and all(isinstance(x, int | float) and not isinstance(x, bool) and x > 0
+                                           and math.isfinite(x) for x in v)
     _need(bool(ok), where, f"{v!r} must be a non-empty list of positive numbers, e.g. [0.5, 1, 2]")
     return [float(x) for x in v]
 
 
-def parse_study(raw: dict[str, Any], name: str, path: Path | None = None) -> Study:
-    """Build and validate a study from its parsed TOML; every cell's config is checked up front."""
+LARGE = 2000  # cells: more, and parse_study says how many before it checks them all
+
+
+def parse_study(raw: dict[str, Any], name: str, path: Path | None = None, note=None) -> Study:
+    """Build and validate a study from its parsed TOML; every cell's config is checked up front. ``note``
+    (a print function) hears how many cells a large study has before they are checked."""
+    _need(isinstance(raw, dict), "study file", "must be a TOML document of tables")
     known = {"study", "grid", "variants", "protocol"}
     extra = set(raw) - known
     _need(not extra, "study file", f"unknown section(s) {', '.join(sorted(extra))}; use {', '.join(sorted(known))}")
@@ -216,6 +230,8 @@ def parse_study(raw: dict[str, Any], name: str, path: Path | None = None) -> Stu
     _need(isinstance(name, str) and bool(NAME_RE.match(name)), "[study] name",
           f"{name!r} must be a plain name (letters, digits, . _ -)")
     preset = s.get("config", "small")
+    _need(isinstance(preset, str) and bool(preset), "[study] config",
+          f"{preset!r} must name a preset (e.g. \"tiny\") or a TOML file")
     seeds = s.get("seeds", [0])
     _need(isinstance(seeds, list) and bool(seeds) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
                                                           for x in seeds) and len(set(seeds)) == len(seeds),
@@ -237,15 +253,19 @@ def parse_study(raw: dict[str, Any], name: str, path: Path | None = None) -> Stu
     bad = set(p) - set(Protocol.__dataclass_fields__)
     _need(not bad, "[protocol]",
           f"unknown key(s) {', '.join(sorted(bad))}; use {', '.join(Protocol.__dataclass_fields__)}")
+    mults_for, lr_key = p.get("lr_mults_for", {}), p.get("lr_key", "train.lr")
+    _need(isinstance(mults_for, dict), "[protocol] lr_mults_for",
+          f"{mults_for!r} must be a table variant -> [multiples], e.g. {{ qkmap = [1, 2, 4] }}")
+    _need(isinstance(lr_key, str) and "." in lr_key, "[protocol] lr_key",
+          f"{lr_key!r} must name a float config key, e.g. \"train.lr\"")
     ref = p.get("reference", {})
     ref = {"*": ref} if isinstance(ref, str) else ref
     _need(isinstance(ref, dict) and all(r in variants for r in ref.values()), "[protocol] reference",
           f"{p.get('reference')!r} must name a variant (or a table attention -> variant); "
           f"variants: {', '.join(variants)}")
     proto = Protocol(reference=ref, lr_mults=_num_list(p.get("lr_mults", [1.0]), "[protocol] lr_mults"),
-                     lr_mults_for={k: _num_list(v, f"[protocol] lr_mults_for.{k}")
-                                   for k, v in p.get("lr_mults_for", {}).items()},
-                     lr_key=p.get("lr_key", "train.lr"), data_seed=p.get("data_seed", 0), probe=p.get("probe", 0),
+                     lr_mults_for={k: _num_list(v, f"[protocol] lr_mults_for.{k}") for k, v in mults_for.items()},
+                     lr_key=lr_key, data_seed=p.get("data_seed", 0), probe=p.get("probe", 0),
                      reuse=p.get("reuse", []))
     for k in proto.lr_mults_for:
         _need(k in variants, "[protocol] lr_mults_for", f"'{k}' is not a variant; variants: {', '.join(variants)}")
@@ -256,6 +276,9 @@ def parse_study(raw: dict[str, Any], name: str, path: Path | None = None) -> Stu
     _need(type(proto.data_seed) is int and proto.data_seed >= -1, "[protocol] data_seed",
           "use a seed >= 0 (the same batches in every cell) or -1 (each seed its own order)")
     study = Study(name, path, preset, list(seeds), every_cell, grid, variants, proto, workers)
+    n = len(seeds) * math.prod(len(v) for v in grid.values()) * sum(len(proto.mults(v)) for v in variants)
+    if n > LARGE and note is not None:  # validating every cell takes a while: say so before the wait
+        note(f"study {name}: {n:,} cells; checking every cell's config (about {n / 1500:.0f} s) ...")
     study.cells = expand(study)
     return study
 
@@ -321,10 +344,16 @@ def read_study(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"study file '{path}' not found; give a path such as studies/demo.toml")
     try:
-        return tomllib.loads(p.read_text())
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {e.start}); save the study file as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read the study file ({e.strerror or e})") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{p}: invalid TOML ({e})") from None
+        raise ConfigError(f"{p}: invalid TOML ({' '.join(str(e).split())})") from None
 
 
-def load_study(path: str | Path) -> Study:
-    return parse_study(read_study(path), Path(path).stem, Path(path))
+def load_study(path: str | Path, note=None) -> Study:
+    return parse_study(read_study(path), Path(path).stem, Path(path), note=note)

@@ -15,16 +15,17 @@ from safetensors.torch import save_model
 from qklab.atomic import atomic_write_text
 
 
-def export_run(path: str | Path, out: str | Path) -> tuple[Path, int]:
+def export_run(path: str | Path, out: str | Path, unverified: bool = False, warn=None) -> tuple[Path, int]:
     """Write ``out``/model.safetensors and ``out``/config.json from the run folder or checkpoint ``path``
-    (its newest good checkpoint); returns the folder and the checkpoint's step."""
+    (its newest good checkpoint; each damaged newer one named through ``warn``; one without a manifest
+    only with ``unverified``); returns the folder and the checkpoint's step."""
     import torch
 
     from qklab.rundir.load import load_model, load_run_config, resolve_target
 
-    target = resolve_target(path)
-    cfg = load_run_config(target)
-    model, step = load_model(cfg, target.ckpt, torch.device("cpu"))
+    target = resolve_target(path, warn=warn, unverified=unverified)
+    cfg = load_run_config(target, unverified)
+    model, step = load_model(cfg, target.ckpt, torch.device("cpu"), unverified)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / ".model.safetensors.tmp"
