@@ -369,3 +369,27 @@ def test_header_counts_finished_cells_from_the_study_file(tmp_path):
     write_json_atomic(res / c["cell"] / "result.json", c)
     md = (write_report([res], out=tmp_path / "rep") / "report.md").read_text()
     assert "- `g`: complete: 3 of 3 cells finished (and 1 result" in md
+
+
+def test_a_gated_variant_is_not_standard_attention(tmp_path):
+    """The demo's case: `gate-head` has method none and controller none, and a lower selection loss than
+    `none` here; the claims about Standard attention still pair with `none`."""
+    from qklab.report.claims import claims_table
+    from qklab.study.analyze import analyze, load_results
+
+    res = tmp_path / "g"
+    write_json_atomic(res / "study.json", {"name": "g", "config": "tiny", "seeds": [0, 1],
+                                           "variants": {v: {} for v in ("none", "gate-head", "qkmap")},
+                                           "protocol": {"reference": "none", "lr_mults": [1.0]}})
+    for s in (0, 1):
+        for v, method, sel, rep in (("none", "none", 4.0, 4.0), ("gate-head", "none", 3.5, 3.0),
+                                    ("qkmap", "qkmap", 3.8, 3.7 + 0.01 * s)):
+            c = result(v, 1.0, s, sel, rep, method=method, study="g")
+            if v == "gate-head":
+                c["config"]["model"]["attn_gate"] = "head"
+            write_json_atomic(res / c["cell"] / "result.json", c)
+    groups = analyze(*load_results([res]))["groups"]
+    assert {g["variant"]: g["method"] for g in groups} == {"none": "none", "gate-head": "none+gate-head",
+                                                           "qkmap": "qkmap"}
+    r = {r["claim"]: r for r in claims_table(groups)}["lower validation loss than Standard attention"]
+    assert r["measured"].startswith("qkmap - none: -0.29"), r

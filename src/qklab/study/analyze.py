@@ -168,6 +168,14 @@ def _reference(study: dict, attention: str) -> str | None:
     return ref.get(attention, ref.get("*"))
 
 
+
+def _method(method: str | None, model: dict[str, Any]) -> str | None:
+    """The forward-side method a group stands for, with the model flags that change attention: a gated
+    or sink variant of Standard attention is not Standard attention ("none+gate-head", "none+sink")."""
+    flags = [f"gate-{model['attn_gate']}"] if model.get("attn_gate", "none") != "none" else []
+    flags += ["sink"] if model.get("attn_sink") else []
+    return "+".join([method, *flags]) if method is not None and flags else method
+
 def _group(key: tuple, rs: list[dict]) -> dict[str, Any]:
     study, variant, point = key
     ok = [r for r in rs if r["status"] != "failed"]
@@ -205,7 +213,7 @@ def _group(key: tuple, rs: list[dict]) -> dict[str, Any]:
     cfg = first.get("config", {})
     return {"study": study, "variant": variant, "point": point, "order": 0,
             "attention": first.get("attention", cfg.get("model", {}).get("attention", "mha")),
-            "method": first.get("method"), "controller": first.get("controller"),
+            "method": _method(first.get("method"), cfg.get("model", {})), "controller": first.get("controller"),
             "qk_options": cfg.get("qk", {}).get("options", {}),  # e.g. {"quack": {"tau": 0.1, ...}}
             "seq_len": cfg.get("train", {}).get("seq_len"), "d_model": cfg.get("model", {}).get("d_model"),
             "n_cells": len(rs),
