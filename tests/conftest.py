@@ -1,10 +1,16 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from qklab.config import ModelConfig, QKConfig
 from qklab.model import GPT
+
+# the suite runs `qklab study run` from this checkout, often with uncommitted changes: as --allow-dirty
+# (tests/study/test_provenance.py unsets it to test the refusal)
+os.environ.setdefault("QKLAB_ALLOW_DIRTY", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,10 @@ Kept free of torch so that ``qklab --version`` answers at once.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 from qklab import __version__
@@ -35,6 +38,59 @@ def git_sha() -> str:
         return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+ALLOW_DIRTY_ENV = "QKLAB_ALLOW_DIRTY"  # "1": as --allow-dirty (scripts, test suites)
+
+
+@dataclass(frozen=True)
+class CodeVersion:
+    """The code a process runs: the commit of its checkout and, when tracked files differ from it, their
+    diff (``git diff HEAD``, binary-safe). ``commit`` is "unknown" outside a git checkout (a wheel)."""
+
+    commit: str
+    diff: bytes = b""
+    root: Path | None = None
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self.diff)
+
+    @property
+    def diff_sha256(self) -> str | None:
+        return hashlib.sha256(self.diff).hexdigest() if self.diff else None
+
+    def record(self) -> dict[str, object]:
+        """What result and study files hold: ``{"commit": ..., "dirty": bool, "diff_sha256": ... or None}``."""
+        return {"commit": self.commit, "dirty": self.dirty, "diff_sha256": self.diff_sha256}
+
+
+def _git(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, timeout=60)
+
+
+def code_version(root: str | Path | None = None) -> CodeVersion:
+    """The commit and uncommitted diff of tracked files of ``root`` (default: the checkout qklab is imported
+    from); ``CodeVersion("unknown")`` for an installed wheel, a folder that is no git checkout, or without git."""
+    root = Path(root) if root is not None else _checkout()
+    if root is None:
+        return CodeVersion("unknown")
+    try:
+        sha = _git(root, "rev-parse", "--verify", "HEAD")
+        if sha.returncode != 0:
+            return CodeVersion("unknown", root=root)
+        # the same bytes whatever the user's git config: no external diff tools, colours or other prefixes
+        diff = _git(root, "-c", "core.quotepath=on", "diff", "HEAD", "--binary", "--no-color", "--no-ext-diff",
+                    "--no-textconv", "--src-prefix=a/", "--dst-prefix=b/", "--")
+        if diff.returncode != 0:
+            return CodeVersion("unknown", root=root)
+        return CodeVersion(sha.stdout.decode().strip(), diff.stdout, root)
+    except (OSError, subprocess.SubprocessError, UnicodeDecodeError):
+        return CodeVersion("unknown", root=root)
+
+
+def allow_dirty_env() -> bool:
+    return os.environ.get(ALLOW_DIRTY_ENV, "") not in ("", "0")
 
 
 def version_line() -> str:

@@ -76,8 +76,13 @@ def test_report_data_and_claims(tmp_path):
     by_rate = fig["logit_by_rate"]["mha"]["quack"]  # the final max logit at every rate, not just the chosen one
     assert by_rate["lr"] == pytest.approx([1e-3, 2e-3]) and by_rate["mean"] == pytest.approx([12.0, 15.0])
     assert (out / "logit_by_rate.png").stat().st_size > 0 and "![logit_by_rate]" in (out / "report.md").read_text()
-    # claims: planted effects give the expected verdicts
-    claims = {r[1]: (r[4], r[5]) for r in data["tables"]["claims"]["rows"]}
+    # claims: planted effects give the expected verdicts under the old rule (the interval alone); at 3 seeds
+    # every paired claim is underpowered under the new one, and the grid-rule claims keep their verdict
+    head = data["tables"]["claims"]["head"]
+    assert head[4:8] == ["verdict", "reason", "verdict (old rule)", "n"]
+    for r in data["tables"]["claims"]["rows"]:
+        assert r[4] == ("**underpowered**" if r[7] == "3" else f"**{r[6]}**"), r
+    claims = {r[1]: (f"**{r[6]}**", r[5]) for r in data["tables"]["claims"]["rows"]}
     assert claims["lower validation loss than Standard attention"][0] == "**agree**"  # -0.12, tight
     assert claims["less attention on the first token than Standard attention"][0] == "**agree**"
     assert claims["outperforms no intervention in the MLA setting"][0] == "**agree**"
@@ -130,7 +135,7 @@ def test_report_disagree_and_inconclusive(tmp_path):
                                                                    first_token=0.1 + n)):
             write_json_atomic(res / c["cell"] / "result.json", c)
     data = json.loads((write_report([res]) / "report.json").read_text())
-    claims = {r[1]: r[4] for r in data["tables"]["claims"]["rows"]}
+    claims = {r[1]: f"**{r[6]}**" for r in data["tables"]["claims"]["rows"]}  # the old rule; 3 seeds: underpowered
     assert claims["lower validation loss than Standard attention"] == "**disagree**"
     assert claims["less attention on the first token than Standard attention"] == "**inconclusive**"
 
@@ -235,7 +240,7 @@ def test_width_gap_claim(tmp_path, growth, verdict):
                 c["point"], c["config"]["model"]["d_model"] = {"shape": width}, width
                 write_json_atomic(res / c["cell"] / "result.json", c)
     row = next(r for r in claims_table(analyze(*load_results([res]))["groups"]) if "grows with width" in r["claim"])
-    assert row["verdict"] == verdict, row
+    assert row["verdict_old"] == verdict and row["verdict"] == "underpowered", row  # 3 seeds
     assert f"64: {0.02:+.3f}" in row["measured"] and f"256: {0.02 + 2 * growth:+.3f}" in row["measured"]
     assert "gap at width 64 - gap at width 256" in row["measured"]
 
@@ -262,7 +267,7 @@ def test_multiplier_claim_pairs_quack_at_the_same_tau(tmp_path, mult_tau, verdic
             write_json_atomic(res / c["cell"] / "result.json", c)
     row = next(r for r in claims_table(analyze(*load_results([res]))["groups"])
                if r["claim"] == "better than the fixed-multiplier ablation")
-    assert row["verdict"] == verdict, row
+    assert row["verdict_old"] == verdict and row["verdict"] == "underpowered", row
     assert note in row["measured"]
     want = "quack-t0.1 - multiplier" if mult_tau == 0.1 else "quack-t1 - multiplier"
     assert row["measured"].startswith(want) and f"{(5.2 if mult_tau == 0.1 else 4.9) - 5.1:+.3f}" in row["measured"]
@@ -322,10 +327,10 @@ def test_claims_pair_within_one_study_and_prefer_the_tuning_grid(tmp_path):
     r = rows["better than the fixed-multiplier ablation"]
     assert r["verdict"] == "not measurable"
     r = rows["keeps attention logits smaller than no intervention (MHA)"]  # from lc (20 vs 80), not w (50 vs 10),
-    assert r["verdict"] == "agree", r  # not quack-b, at x2: none diverged at x4, so x4 is not compared
+    assert r["verdict_old"] == "agree", r  # not quack-b, at x2: none diverged at x4, so x4 is not compared
     assert r["measured"] == "quack / none at x2: 0.25, 95% CI [0.25, 0.25], n=3; by rate: x1 0.25, x2 0.25", r
     r = rows["stronger attention contrast on relevant evidence at long context"]  # qm's probes
-    assert r["verdict"] == "agree" and r["measured"].startswith("none - qkmap: -0.500"), r
+    assert r["verdict_old"] == "agree" and r["measured"].startswith("none - qkmap: -0.500"), r
 
 
 def test_claims_take_the_rate_tuned_variant_not_a_one_rate_ablation(tmp_path):
@@ -349,7 +354,7 @@ def test_claims_take_the_rate_tuned_variant_not_a_one_rate_ablation(tmp_path):
     rows = {r["claim"]: r for r in claims_table(analyze(*load_results([res]))["groups"])}
     r = rows["lower validation loss than Standard attention"]
     assert r["measured"].startswith("qkmap - none: -0.520"), r
-    assert r["verdict"] == "agree"
+    assert r["verdict_old"] == "agree" and r["verdict"] == "underpowered"
 
 
 def test_header_counts_finished_cells_from_the_study_file(tmp_path):
@@ -393,3 +398,58 @@ def test_a_gated_variant_is_not_standard_attention(tmp_path):
                                                            "qkmap": "qkmap"}
     r = {r["claim"]: r for r in claims_table(groups)}["lower validation loss than Standard attention"]
     assert r["measured"].startswith("qkmap - none: -0.29"), r
+
+
+def _qkmap_study(tmp_path, seeds: int, effect: float = -0.1) -> list[dict]:
+    """none, qknorm and qkmap at one rate; qkmap better than both by ``effect`` plus noise at every seed."""
+    from qklab.study.analyze import analyze, load_results
+
+    res = tmp_path / f"n{seeds}"
+    write_json_atomic(res / "study.json", {"name": "n", "config": "tiny", "seeds": list(range(seeds)),
+                                           "variants": {v: {} for v in ("none", "qknorm", "qkmap")},
+                                           "protocol": {"reference": "none", "lr_mults": [1.0]}})
+    for s in range(seeds):
+        n = 0.01 * ((s * 7) % 5 - 2)  # -0.02 .. +0.02
+        for v, loss, ft in (("none", 5.0, 0.2), ("qknorm", 5.0 + n / 2, 0.2),
+                            ("qkmap", 5.0 + effect + n, 0.1 + n / 10)):
+            c = result(v, 1.0, s, loss, loss, method=v, first_token=ft, study="n")
+            write_json_atomic(res / c["cell"] / "result.json", c)
+    return analyze(*load_results([res]))["groups"]
+
+
+def test_two_seed_claim_is_underpowered(tmp_path):
+    """Two seeds: the smallest sign-flip p is 2/2^2 = 0.5, so the claim is underpowered whatever the interval
+    says; the old rule's verdict (the interval alone) stays beside it."""
+    from qklab.report.claims import claims_table
+
+    rows = {r["claim"]: r for r in claims_table(_qkmap_study(tmp_path, 2, effect=-0.3))}
+    r = rows["lower validation loss than Standard attention"]
+    assert r["stats"]["n"] == 2 and r["stats"]["p_flip"] == pytest.approx(0.5)
+    assert r["verdict"] == "underpowered" and r["verdict_old"] == "agree", r
+    assert r["reason"].startswith("2 paired seeds: the exact sign-flip test needs 6"), r
+
+
+def test_new_rule_uses_holm_across_the_papers_claims(tmp_path):
+    """Six seeds, QK-MAP ahead at every one: each sign-flip p is 2/64, but Holm over the five QK-MAP claims
+    measured here makes the smallest 5 * 2/64 > 0.05: inconclusive (the old rule: agree). Eight seeds: 2/256
+    times 5 is below 0.05: agree. The QuacK family is apart (none of its claims are measured here)."""
+    from qklab.report.claims import claims_table
+    from qklab.report.render import claims_rows
+
+    rows = {r["claim"]: r for r in claims_table(_qkmap_study(tmp_path, 6))}
+    fam = [r for r in rows.values() if r["stats"] is not None]
+    assert {r["paper"] for r in fam} == {"QK-MAP"} and len(fam) == 5
+    r = rows["lower validation loss than Standard attention"]
+    assert r["stats"]["p_flip"] == pytest.approx(2 / 64) and r["p_holm"] == pytest.approx(5 * 2 / 64)
+    assert r["q_bh"] == pytest.approx(2 / 64)  # BH: m p(i) / i, all five at 2/64
+    assert r["verdict"] == "inconclusive" and r["verdict_old"] == "agree" and "Holm p = 0.156" in r["reason"], r
+    rows8 = {r["claim"]: r for r in claims_table(_qkmap_study(tmp_path, 8))}
+    r = rows8["lower validation loss than Standard attention"]
+    assert r["p_holm"] == pytest.approx(5 * 2 / 256) and r["verdict"] == "agree", r
+    r = rows8["lower validation loss than QK-Norm"]
+    assert r["verdict"] == "agree" and r["stats"]["df"] == 7, r
+    head, body = claims_rows(_qkmap_study(tmp_path, 8))
+    row = next(b for b in body if b[1] == "lower validation loss than Standard attention")
+    got = dict(zip(head, row, strict=True))
+    assert got["verdict"] == "**agree**" and got["verdict (old rule)"] == "agree" and got["n"] == "8"
+    assert got["p (sign-flip)"] == f"{2 / 256:.3g}" and got["p Holm (sign-flip)"] == f"{10 / 256:.3g}"

@@ -164,8 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=_demo)
 
     st = sub.add_parser("study", help="run a study file (grid x variants x rates x seeds) or show its status")
-    st.add_argument("action", choices=["run", "status"], help="run: train the cells not done; status: list them")
-    st.add_argument("file", help="study file, e.g. studies/demo.toml")
+    st.add_argument("action", choices=["run", "status", "verify"],
+                    help="run: train the cells not done; status: list them; verify: retrain committed cells of a "
+                    "results folder from their recorded config and compare bit for bit")
+    st.add_argument("file", help="study file, e.g. studies/demo.toml (verify: a results folder, e.g. docs/results/x)")
     st.add_argument("--workers", type=WORKERS, default=None, help="cells in parallel (default: the study's, else 1)")
     st.add_argument("--threads", type=THREADS, default=None,
                     help="CPU threads per cell (default: the cores / --workers; set it when studies share a machine)")
@@ -173,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--results", default=None, help="folder for result files, e.g. docs/results/<name> "
                     "(default: <out>/results); a cell with a result here is done")
     st.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+    st.add_argument("--cells", type=_count(1, "verify 1 or more cells"), default=1,
+                    help="verify: how many finished cells to retrain, drawn at random (default 1)")
+    st.add_argument("--seed", type=int, default=None, help="verify: the seed of the random draw")
+    st.add_argument("--allow-dirty", action="store_true",
+                    help="run from a checkout with uncommitted changes; their diff is stored with the results "
+                    "(<results>/provenance/) and named in each result.json (also: QKLAB_ALLOW_DIRTY=1)")
     st.set_defaults(fn=_study)
 
     rp = sub.add_parser("report", help="report.md/.html/.json from result folders (never trains)")

@@ -1,4 +1,9 @@
-"""``qklab study run|status FILE``: the command-line side of studies (the CLI module stays thin)."""
+"""``qklab study run|status FILE``: the command-line side of studies (the CLI module stays thin).
+
+``qklab study run`` from a checkout with uncommitted changes to tracked files is refused (one line, exit 2)
+unless ``--allow-dirty`` (or ``QKLAB_ALLOW_DIRTY=1``) is given; then the diff is stored with the results.
+``qklab demo`` and ``qklab sweep`` (quick jobs) record the code version the same way but never refuse.
+Outside a git checkout (an installed wheel) the commit is "unknown" and nothing is refused."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from pathlib import Path
 from qklab.config import ConfigError, packaged, resolve_named_file
 from qklab.study.runner import Outcome, cell_status, reusable, reuse_index, run_study
 from qklab.study.spec import Study, load_study
+from qklab.version import allow_dirty_env
 
 STUDY_DIR = packaged("studies")
 
@@ -32,10 +38,11 @@ def workers_for(study: Study, n: int | None) -> int:
 
 
 def run_and_report(study: Study, out: str | Path | None, results: str | Path | None, workers: int,
-                   report: bool = True, threads: int | None = None) -> tuple[Outcome, Path | None]:
+                   report: bool = True, threads: int | None = None,
+                   allow_dirty: bool = True) -> tuple[Outcome, Path | None]:
     out = Path(out or Path("runs") / "studies" / study.name)
     results = Path(results) if results else out / "results"
-    outcome = run_study(study, out, results, workers=workers, threads=threads, warn=warn)
+    outcome = run_study(study, out, results, workers=workers, threads=threads, warn=warn, allow_dirty=allow_dirty)
     path = None
     if report and outcome.results and outcome.signal is None:
         from qklab.report import write_report
@@ -82,12 +89,30 @@ def _status(study: Study, results: Path) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    """``qklab study verify DIR``: 0 every retrained cell identical, 1 one differs (each named, one line)."""
+    from qklab.study.runner import verify_results
+
+    verdicts = verify_results(Path(args.file), cells=getattr(args, "cells", 1), seed=getattr(args, "seed", None),
+                              out=Path(args.out) if args.out else None, warn=warn)
+    bad = [v.cell for v in verdicts if not v.same]
+    if bad:
+        print(f"qklab: verify: {len(bad)} of {len(verdicts)} cell(s) differ from their committed result: "
+              f"{', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}", file=sys.stderr)
+        return 1
+    print(f"verified: {len(verdicts)} cell(s) of {args.file} retrained bit for bit")
+    return 0
+
+
 def study_command(args: argparse.Namespace) -> int:
+    if args.action == "verify":
+        return _verify(args)
     study = load_study(resolve_study(args.file), note=warn)
     out = Path(args.out or Path("runs") / "studies" / study.name)
     results = Path(args.results) if args.results else out / "results"
     if args.action == "status":
         return _status(study, results)
+    allow_dirty = getattr(args, "allow_dirty", False) or allow_dirty_env()
     outcome, _ = run_and_report(study, out, results, workers_for(study, args.workers), report=not args.no_report,
-                                threads=getattr(args, "threads", None))
+                                threads=getattr(args, "threads", None), allow_dirty=allow_dirty)
     return exit_code(study, outcome)

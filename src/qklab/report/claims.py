@@ -1,12 +1,12 @@
 """The claims table: every claim of both papers (shared/specs/), the measurement that tests it here, and
-a verdict with its reason.
+a verdict with its reason, by the rule in VERDICT_RULE (the one statement of it; the report prints it).
 
-Verdicts: **agree** (the 95% interval of the paired difference lies on the claimed side of zero, or of
-the stated margin), **disagree** (it lies on the other side), **inconclusive** (it contains zero, or
-only one seed was run), **not measurable** (the study has no cells, probes or rate grid that could test
-it; the reason says what is missing). Each loss comparison uses the methods' cells at their own chosen
-rates (selection split), report-split losses, and seeds paired across methods; the logit claim compares
-the two at the same rate, since at the tuned rate there is little for a control to do.
+Each loss comparison uses the methods' cells at their own chosen rates (selection split), report-split
+losses, and seeds paired across methods; the logit claim compares the two at the same rate, since at the
+tuned rate there is little for a control to do. Beside the verdict, each paired claim carries its
+statistics (n, df, mean difference, t-interval, bootstrap interval, effect size mean / sd, the t and the
+exact sign-flip p-values, and the sign-flip p-value adjusted across its family by Holm and by
+Benjamini-Hochberg), and the verdict of the rule used before (OLD_RULE) for comparison.
 """
 
 from __future__ import annotations
@@ -18,9 +18,33 @@ from typing import Any
 
 import numpy as np
 
-from qklab.study.stats import fmt_ci, paired_difference
+from qklab.study.stats import benjamini_hochberg, difference_stats, fmt_ci, holm, min_seeds, paired_difference
 
 COMPETITIVE_MARGIN = 0.05  # nats: "competitive" = not worse by more than this (upper 95% bound)
+ALPHA = 0.05
+MIN_SEEDS = min_seeds(ALPHA)  # 6: with n seeds the smallest two-sided sign-flip p is 2 / 2^n, 0.0625 at n = 5
+
+VERDICT_RULE = (
+    "Verdict rule. A paired claim (a mean difference over seeds, each seed pairing the two methods) is tested "
+    "against zero, or against its stated margin, by the exact sign-flip (permutation) test over seeds: the "
+    "two-sided p-value is the share of all 2^n sign assignments of the paired differences whose mean is at "
+    "least as far from zero as the observed one. The claims of one paper form one family (QK-MAP's claims "
+    "one, QuacK's another), and within each family the sign-flip p-values of its paired claims (every paired "
+    "claim that could be measured, whatever its number of seeds) are adjusted by Holm's step-down method "
+    "(family-wise error; the verdicts use it) and by Benjamini-Hochberg (false discovery rate; shown as a "
+    f"column, not used by the verdicts). A claim with fewer than {MIN_SEEDS} paired seeds is **underpowered**: "
+    "with n seeds the smallest two-sided sign-flip p is 2/2^n, which is not below alpha = "
+    f"{ALPHA:g} for n < {MIN_SEEDS}, so no outcome could support or refute it. Otherwise it is **agree** when "
+    f"the Holm-adjusted p is below {ALPHA:g} and the whole 95% t-interval lies on the claimed side of zero "
+    "(or of the margin), **disagree** when the Holm-adjusted p is below it and the interval lies on the other "
+    "side, and **inconclusive** else. Claims read from the learning-rate grid (the highest rate with no "
+    "diverged seed) are not a test over seeds: they keep the grid rule, stay outside the families, and their "
+    "verdict is the same under both rules. **not measurable**: the study has no cells, probes or rate grid "
+    "that could test it. The effect size is (mean difference - margin) / sd of the differences; for the "
+    "logit claims the statistics are of log10 of the ratio. The column 'verdict (old rule)' gives the rule "
+    "used before, for comparison: agree or disagree when the whole 95% t-interval lies on one side, "
+    "inconclusive when it contains zero (or the margin) or one seed was run.")
+OLD_RULE = "the whole 95% t-interval on one side of zero (or of the margin); no seed count, no multiplicity correction"
 
 
 @dataclass
@@ -28,7 +52,7 @@ class Claim:
     paper: str
     text: str
     measurement: str
-    test: Callable[[list[dict]], tuple[str, str, str]]  # groups -> (verdict, measured, reason)
+    test: Callable[[list[dict]], tuple]  # groups -> (old-rule verdict, measured, reason[, statistics])
 
 
 def _name(kind: tuple) -> str:
@@ -90,21 +114,29 @@ def _pair(groups, a: tuple, b: tuple, metric: str, match: str | None = None) -> 
     return d, ""
 
 
-def _verdict_less(d: dict | None, why: str, what: str, margin: float = 0.0) -> tuple[str, str, str]:
-    """Claim: a < b + margin (d = a - b)."""
+def _test(d: dict, margin: float) -> dict:
+    """The statistics of a paired claim a < b + margin: the interval of a - b, the tests of mean = margin."""
+    shifted = difference_stats([x - margin for x in d["diffs"]])
+    return {k: d[k] for k in ("n", "df", "mean", "ci_lo", "ci_hi", "boot_lo", "boot_hi")} | {
+        "margin": margin, "effect": shifted["effect"], "p": shifted["p"], "p_flip": shifted["p_flip"]}
+
+
+def _verdict_less(d: dict | None, why: str, what: str, margin: float = 0.0) -> tuple:
+    """Claim: a < b + margin (d = a - b). (old-rule verdict, measured, reason, the claim's statistics)."""
     if d is None:
-        return "not measurable", "-", why
+        return "not measurable", "-", why, None
     if d["n"] == 0:
-        return "not measurable", "-", f"no seed has a finite {what} for both"
+        return "not measurable", "-", f"no seed has a finite {what} for both", None
     meas = f"{d['a']} - {d['b']}: {d['mean']:+.3f}, 95% CI {fmt_ci(d['ci_lo'], d['ci_hi'])}, n={d['n']}" + (
         f", p={d['p']:.3g}" if math.isfinite(d["p"]) else "") + d.get("note", "")
+    st = _test(d, margin)
     if d["n"] < 2:
-        return "inconclusive", meas, "one seed: no interval"
+        return "inconclusive", meas, "one seed: no interval", st
     if d["ci_hi"] < margin:
-        return "agree", meas, f"the whole interval is below {margin:g}"
+        return "agree", meas, f"the whole interval is below {margin:g}", st
     if d["ci_lo"] > margin:
-        return "disagree", meas, f"the whole interval is above {margin:g}"
-    return "inconclusive", meas, "the interval contains " + (f"{margin:+g}" if margin else "0")
+        return "disagree", meas, f"the whole interval is above {margin:g}", st
+    return "inconclusive", meas, "the interval contains " + (f"{margin:+g}" if margin else "0"), st
 
 
 def _less(a, b, metric, what, margin=0.0, match=None):
@@ -146,6 +178,12 @@ def _stable_rate(a: tuple, b: tuple) -> Callable[[list[dict]], tuple[str, str, s
     return test
 
 
+def _as_ratio(reason: str) -> str:
+    """A reason about log10 of a ratio, said of the ratio."""
+    return reason.replace("below 0", "below a ratio of 1").replace("above 0", "above a ratio of 1").replace(
+        "contains 0", "contains a ratio of 1")
+
+
 def _logits_at_same_rate(a: tuple, b: tuple) -> Callable[[list[dict]], tuple[str, str, str]]:
     """Claim: a keeps the max attention logit below b's when both train at the same base rate. Read at
     the highest rate of the grid where both ran and no seed of either diverged (where the control has
@@ -169,13 +207,13 @@ def _logits_at_same_rate(a: tuple, b: tuple) -> Callable[[list[dict]], tuple[str
         by_rate = {m: paired_difference(logs(x, m), logs(y, m)) for m in shared}
         top = shared[-1]
         d = {**by_rate[top], "a": x["variant"], "b": y["variant"]}
-        verdict, _, reason = _verdict_less(d, "", "max logit")
+        verdict, _, reason, st = _verdict_less(d, "", "max logit")
         meas = (f"{x['variant']} / {y['variant']} at x{top:g}: {10 ** d['mean']:.3g}"
                 + (f", 95% CI [{10 ** d['ci_lo']:.3g}, {10 ** d['ci_hi']:.3g}]" if d["n"] >= 2 else "")
                 + f", n={d['n']}; by rate: " + ", ".join(f"x{m:g} {10 ** by_rate[m]['mean']:.2g}" for m in shared))
-        reason = reason.replace("below 0", "below a ratio of 1").replace("above 0", "above a ratio of 1").replace(
-            "contains 0", "contains a ratio of 1")
-        return verdict, meas, reason
+        if st is not None:
+            st["log_ratio"] = True
+        return verdict, meas, _as_ratio(reason), st
     return test
 
 
@@ -220,9 +258,9 @@ def _width_gap(a: tuple, b: tuple) -> Callable[[list[dict]], tuple[str, str, str
         lo, hi = min(by_w), max(by_w)
         d = paired_difference(by_w[lo], by_w[hi])  # gap at the narrowest - gap at the widest: < 0 if it grows
         d["a"], d["b"] = f"gap at width {lo}", f"gap at width {hi}"
-        verdict, meas, reason = _verdict_less(d, "", "report loss")
+        verdict, meas, reason, st = _verdict_less(d, "", "report loss")
         means = ", ".join(f"{w}: {np.mean(list(g.values())):+.3f}" if g else f"{w}: -" for w, g in sorted(by_w.items()))
-        return verdict, f"{meas}; mean gap ({_name(b)} - {_name(a)}) by width: {means}", reason
+        return verdict, f"{meas}; mean gap ({_name(b)} - {_name(a)}) by width: {means}", reason, st
     return test
 
 
@@ -285,10 +323,42 @@ CLAIMS: list[Claim] = [
 ]
 
 
-def claims_table(groups: list[dict[str, Any]]) -> list[dict[str, str]]:
+def _new_verdict(old: str, reason: str, st: dict | None, p_holm: float) -> tuple[str, str]:
+    """VERDICT_RULE, from the old rule's verdict and reason, the claim's statistics and its Holm p."""
+    verdict, why = _new_verdict_raw(old, reason, st, p_holm)
+    return verdict, (_as_ratio(why) if st and st.get("log_ratio") and st["n"] >= MIN_SEEDS else why)
+
+
+def _new_verdict_raw(old: str, reason: str, st: dict | None, p_holm: float) -> tuple[str, str]:
+    if st is None or old == "not measurable":  # a grid-rule claim, or nothing to test
+        return old, reason
+    if st["n"] < MIN_SEEDS:
+        return "underpowered", (f"{st['n']} paired seed{'s' * (st['n'] > 1)}: the exact sign-flip test needs "
+                                f"{MIN_SEEDS} to reach p < {ALPHA:g} (old rule: {reason})")
+    side = "below" if st["ci_hi"] < st["margin"] else "above" if st["ci_lo"] > st["margin"] else None
+    if p_holm < ALPHA and side:
+        return ("agree" if side == "below" else "disagree"), (
+            f"Holm p = {p_holm:.3g} < {ALPHA:g} and the whole interval is {side} {st['margin']:g}")
+    if p_holm >= ALPHA:
+        return "inconclusive", f"Holm p = {p_holm:.3g} is not below {ALPHA:g}"
+    return "inconclusive", "the interval contains " + (f"{st['margin']:+g}" if st["margin"] else "0")
+
+
+def claims_table(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per claim: verdict and reason by VERDICT_RULE, the old rule's verdict (verdict_old), and the
+    statistics of a paired claim (stats: None for the others) with its family's Holm and BH adjustments
+    of the sign-flip p-value (p_holm, q_bh). A family is one paper's claims."""
     rows = []
     for c in CLAIMS:
-        verdict, measured, reason = c.test(groups)
+        verdict, measured, reason, st = (*c.test(groups), None)[:4]
         rows.append({"paper": c.paper, "claim": c.text, "measurement": c.measurement, "measured": measured,
-                     "verdict": verdict, "reason": reason})
+                     "verdict_old": verdict, "reason_old": reason, "stats": st,
+                     "p_holm": float("nan"), "q_bh": float("nan")})
+    for family in dict.fromkeys(r["paper"] for r in rows):
+        fam = [r for r in rows if r["paper"] == family and r["stats"] is not None]
+        ps = [r["stats"]["p_flip"] for r in fam]
+        for r, h, q in zip(fam, holm(ps), benjamini_hochberg(ps), strict=True):
+            r["p_holm"], r["q_bh"] = h, q
+    for r in rows:
+        r["verdict"], r["reason"] = _new_verdict(r["verdict_old"], r["reason_old"], r["stats"], r["p_holm"])
     return rows

@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 from qklab.errors import ReportError
-from qklab.report.claims import claims_table
+from qklab.report.claims import VERDICT_RULE, claims_table
 from qklab.report.figures import draw, figure_data, variant_name
 from qklab.report.probes import probes_tables
 from qklab.study.analyze import analyze, load_results
@@ -135,11 +135,27 @@ def failures_table(groups: list[dict]) -> Table:
                                         for g in groups for f in g["failed"]]
 
 
+def _g(x: float, digits: int = 3) -> str:
+    return f"{x:.{digits}g}" if x is not None and math.isfinite(x) else "-"
+
+
 def claims_rows(groups: list[dict]) -> Table:
+    """The claims table: the verdict by claims.VERDICT_RULE, the old rule's, and each paired claim's
+    statistics (its family is its paper)."""
     rows = claims_table(groups)
-    return (["paper", "claim", "measurement", "measured here", "verdict", "reason"],
-            [[r["paper"], r["claim"], r["measurement"], r["measured"], f"**{r['verdict']}**", r["reason"]]
-             for r in rows])
+    head = ["paper", "claim", "measurement", "measured here", "verdict", "reason", "verdict (old rule)", "n", "df",
+            "mean difference", "95% t-interval", "bootstrap 95%", "effect (mean/sd)", "p (t)", "p (sign-flip)",
+            "p Holm (sign-flip)", "q BH (sign-flip)"]
+    body = []
+    for r in rows:
+        st = r["stats"]
+        cols = (["-"] * 10 if st is None else
+                [str(st["n"]), str(st["df"]), f"{st['mean']:+.3f}", fmt_ci(st["ci_lo"], st["ci_hi"]),
+                 fmt_ci(st["boot_lo"], st["boot_hi"]), _g(st["effect"]), _g(st["p"]), _g(st["p_flip"]),
+                 _g(r["p_holm"]), _g(r["q_bh"])])
+        body.append([r["paper"], r["claim"], r["measurement"], r["measured"], f"**{r['verdict']}**", r["reason"],
+                     r["verdict_old"], *cols])
+    return head, body
 
 
 def md_table(t: Table) -> str:
@@ -193,7 +209,8 @@ def _header(analysis: dict, dirs: list[str], results: list[dict]) -> list[str]:
               "(lowest mean final loss over seeds among rates where no seed diverged); every reported loss comes "
               "from the *report* half, read once at the end. Intervals are 95% t-intervals over seeds; paired "
               "differences compare two variants on the same seeds, each at its own chosen rate (paired t-test "
-              "and a percentile bootstrap over seeds).",
+              "and a percentile bootstrap over seeds; in the claims table also the exact sign-flip test, "
+              "adjusted across each paper's claims).",
               f"Divergence rule: {DIVERGENCE_RULE}."]
     if shas:
         lines.append("Code (git SHA of the process that finished each cell, with its number of cells): "
@@ -264,15 +281,18 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
     if tables["failures"][1]:
         sections.append(("Failed cells", "failures"))
     md = [f"# {title}", "", *header, ""]
+    intros = {"claims": VERDICT_RULE}
     for name, key in sections:
-        md += [f"## {name}", "", md_table(tables[key])]
+        md += [f"## {name}", "", *([intros[key], ""] if key in intros else []), md_table(tables[key])]
     md += ["## Figures", ""]
     for k, p in figs.items():
         md += [f"![{k}]({p.name})", "", captions[k], ""]
     (out / "report.md").write_text("\n".join(md))
     body = [f"<h1>{html.escape(title)}</h1>", *(f"<p>{html.escape(x)}</p>" for x in header if x)]
     for name, key in sections:
-        body += [f"<h2>{html.escape(name)}</h2>", html_table(tables[key])]
+        body += [f"<h2>{html.escape(name)}</h2>",
+                 *([f"<p>{html.escape(intros[key]).replace('**', '')}</p>"] if key in intros else []),
+                 html_table(tables[key])]
     body.append("<h2>Figures</h2>")
     for k, p in figs.items():
         b64 = base64.b64encode(p.read_bytes()).decode()
@@ -287,6 +307,6 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
     # what the report was built from, so that it can be checked against those files while a study goes on
     made_from = {"sources": [str(d) for d in dirs], "skipped": problems,
                  "cells": sorted(f"{r.get('study', '')}/{r['cell']}" for r in results)}
-    write_json_atomic(out / "report.json", {**made_from, "figures": data,
+    write_json_atomic(out / "report.json", {**made_from, "verdict_rule": VERDICT_RULE, "figures": data,
                                             "tables": {k: {"head": h, "rows": r} for k, (h, r) in tables.items()}})
     return out

@@ -4,8 +4,16 @@
         cells/<cell>/               the cell's run folder (config.json, metrics.jsonl, ckpt/)
         logs/<cell>.log             everything the cell printed, tracebacks included
     <results>/                      (--results; default <out>/results; commit it under docs/results/)
-        study.json                  the study as run: grid, variants, protocol, cell ids
+        study.json                  the study as run: grid, variants, protocol, cell ids, and ``code``: the
+                                    code version of every run that trained cells here
+        provenance/<sha256>.diff    the uncommitted diff (``git diff HEAD``) of a run from a dirty checkout
         <cell>/result.json          one per finished or failed cell
+
+Provenance: ``run_study`` reads the code version once, when it starts, from the checkout qklab is imported
+from (``version.code_version``): the commit and, for a dirty tree, the diff of tracked files, stored by its
+sha256. Every result.json it writes names it (``code: {"commit", "dirty", "diff_sha256"}``), and so does
+study.json; ``git_sha`` (HEAD when the cell's run started) stays as it was. ``allow_dirty=False`` (the
+command line without ``--allow-dirty``) refuses a dirty checkout before anything is written.
 
 A cell whose result file exists, says ok or diverged and matches the cell's config hash is done and
 skipped, so a study continues from committed results alone, on another machine. A damaged result file is
@@ -27,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -53,6 +62,7 @@ from qklab.study.result import (
     write_json_atomic,
 )
 from qklab.study.spec import Cell, Study
+from qklab.version import CodeVersion, code_version
 
 DONE = ("ok", "diverged")
 STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # a worker's exit codes after RunInterrupted
@@ -84,9 +94,11 @@ def run_config(cell: Cell, out: Path, threads: int) -> RunConfig:
                                                               progress=False, threads=threads))
 
 
-def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, probe: int) -> dict[str, Any]:
+def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, probe: int,
+             code: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train one cell and write its result file; never raises for a failure of the cell itself.
-    probe: 0 none; N > 0 attention probes up to N training lengths of context after training."""
+    probe: 0 none; N > 0 attention probes up to N training lengths of context after training. code: the
+    study process's ``CodeVersion.record()``, written into the result as ``code``."""
     from qklab.data import prepare_data, unigram_entropy
     from qklab.diagnostics.stability import NonFiniteError
     from qklab.rundir.checkpoint import latest_checkpoint
@@ -132,6 +144,8 @@ def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, pro
         traceback.print_exc()
         res = failed_result(header, f"{type(e).__name__}: {e}".splitlines()[0], chash, time.time() - t0)
     res["cpu_seconds"] = _cpu_seconds() - cpu0  # this process's CPU time (user + system) for the cell
+    if code is not None:
+        res["code"] = code
     publish(results, cell.id, res)
     return res
 
@@ -200,7 +214,8 @@ def _watch_study(alive) -> None:
     os._exit(128 + signal.SIGKILL)
 
 
-def _worker(cell: Cell, study: str, out: Path, results: Path, threads: int, probe: int, alive=None) -> None:
+def _worker(cell: Cell, study: str, out: Path, results: Path, threads: int, probe: int, alive=None,
+            code: dict[str, Any] | None = None) -> None:
     """Entry point of a worker process: everything it prints goes to the cell's log."""
     _die_with_parent()
     if alive is not None:
@@ -217,7 +232,7 @@ def _worker(cell: Cell, study: str, out: Path, results: Path, threads: int, prob
 
     try:
         with TermRaises():  # SIGTERM before the training loop (data, setup) stops the cell too, in one line
-            run_cell(cell, study, out, results, threads, probe)
+            run_cell(cell, study, out, results, threads, probe, code)
     except RunInterrupted as e:
         print(f"stopped: {e}")
         sys.exit(e.exit_code)
@@ -317,19 +332,25 @@ def reusable(cell: Cell, study: Study, index: dict) -> tuple[str, dict[str, Any]
 
 
 def run_study(study: Study, out: Path, results: Path | None = None, workers: int = 1,
-              log=print, threads: int | None = None, warn=None) -> Outcome:
+              log=print, threads: int | None = None, warn=None, allow_dirty: bool = True,
+              repo: str | Path | None = None) -> Outcome:
     """Run every cell that is not done; ``workers`` processes at a time (0: in this process, serially), each
     on ``threads`` CPU threads (default: an equal share of the machine's). ``warn`` (default ``log``) hears
-    about damaged files, one line each."""
+    about damaged files, one line each. ``repo``: the checkout whose code version the results record
+    (default: the one qklab is imported from); ``allow_dirty=False`` refuses one with uncommitted changes."""
     out, results = Path(out), Path(results or Path(out) / "results")
     if threads is not None and (type(threads) is not int or threads < 1):
         raise ConfigError(f"--threads {threads}: use 1 or more threads per cell")
+    code = code_version(repo)  # once, in this process: the code the workers import (not HEAD when a cell starts)
+    if code.dirty and not allow_dirty:
+        raise ConfigError(f"the checkout {code.root} has uncommitted changes to tracked files (git diff HEAD); "
+                          "commit them, or pass --allow-dirty to record the diff with the results")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     lock = _study_lock(study, out)  # before anything is written: a second run of the study changes nothing
     try:
         rlock = _results_lock(study, out, results)
         try:
-            return _run_study(study, out, results, workers, log, threads, warn or log)
+            return _run_study(study, out, results, workers, log, threads, warn or log, code)
         finally:
             rlock.release()
     finally:
@@ -373,15 +394,42 @@ def _check_owner(study: Study, results: Path) -> None:
 
 
 def _write_study_json(study: Study, results: Path, warn) -> None:
-    """``study.json`` as run; an unchanged one is left alone (a committed file stays byte for byte)."""
+    """``study.json`` as run; an unchanged one is left alone (a committed file stays byte for byte), and the
+    code versions it names (``code``) are kept."""
     path = results / "study.json"
     data, problem = read_json(path)
     want = json.loads(json.dumps(study.to_dict(), default=str))
-    if problem is None and data == want:
+    codes = data.get("code") if isinstance(data, dict) and isinstance(data.get("code"), list) else []
+    if problem is None and isinstance(data, dict) and {k: v for k, v in data.items() if k != "code"} == want:
         return
     if problem not in (None, "missing") or (problem is None and not isinstance(data, dict)):
         warn(f"warning: damaged {path} ({problem or 'not an object'}); written anew")
-    write_json_atomic(path, study.to_dict())
+    write_json_atomic(path, {**study.to_dict(), **({"code": codes} if codes else {})})
+
+
+def provenance_path(results: Path, diff_sha256: str) -> Path:
+    return Path(results) / "provenance" / f"{diff_sha256}.diff"
+
+
+def record_code(code: CodeVersion, results: Path) -> dict[str, Any]:
+    """Before cells are trained: the diff of a dirty checkout in ``<results>/provenance/<sha256>.diff``
+    (content-addressed: an existing one is left alone), and the code version in study.json's ``code`` list
+    (once per distinct version). Returns the record each result.json gets."""
+    from qklab.atomic import atomic_write_bytes
+
+    rec = code.record()
+    if code.dirty:
+        path = provenance_path(results, code.diff_sha256)
+        if not (path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == code.diff_sha256):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(path, code.diff)
+    path = results / "study.json"
+    data = read_result(path)
+    if data is not None:
+        codes = data.get("code") if isinstance(data.get("code"), list) else []
+        if rec not in codes:
+            write_json_atomic(path, {**data, "code": [*codes, rec]})
+    return rec
 
 
 def _stamp(path: Path) -> tuple[int, int, int] | None:
@@ -421,7 +469,8 @@ def _study_lock(study: Study, out: Path):
                           "or give another --out") from None
 
 
-def _run_study(study: Study, out: Path, results: Path, workers: int, log, threads: int | None, warn) -> Outcome:
+def _run_study(study: Study, out: Path, results: Path, workers: int, log, threads: int | None, warn,
+               code: CodeVersion | None = None) -> Outcome:
     from qklab.data import prepare_data
 
     _write_study_json(study, results, warn)
@@ -450,6 +499,7 @@ def _run_study(study: Study, out: Path, results: Path, workers: int, log, thread
         + f"; results in {results}")
     if not todo:
         return outcome
+    rec = record_code(code if code is not None else code_version(), results)
     # data: once per distinct data config, before any worker starts (workers then reuse the cache)
     by_data: dict[str, list[Cell]] = {}
     for cell in todo:
@@ -462,7 +512,8 @@ def _run_study(study: Study, out: Path, results: Path, workers: int, log, thread
         except Exception as e:  # every cell on this data fails, the others go on
             msg = f"data preparation failed: {type(e).__name__}: {e}".splitlines()[0]
             for cell in cells:
-                res = failed_result(cell_header(cell, study.name, out / "logs" / f"{cell.id}.log"), msg, None, 0.0)
+                res = {**failed_result(cell_header(cell, study.name, out / "logs" / f"{cell.id}.log"), msg, None, 0.0),
+                       "code": rec}
                 publish(results, cell.id, res)
                 outcome.results[cell.id] = res
                 outcome.ran.append(cell.id)
@@ -480,7 +531,7 @@ def _run_study(study: Study, out: Path, results: Path, workers: int, log, thread
 
             for i, cell in enumerate(runnable):
                 try:
-                    res = run_cell(cell, study.name, out, results, threads, study.protocol.probe)
+                    res = run_cell(cell, study.name, out, results, threads, study.protocol.probe, rec)
                 except RunLockError:
                     _busy(cell, outcome, log, out)
                     continue
@@ -495,7 +546,7 @@ def _run_study(study: Study, out: Path, results: Path, workers: int, log, thread
                 bar.update(steps[cell.id])
                 _finish(cell, res, outcome, bar, steps, log)
         else:
-            _pool(runnable, study, out, results, workers, threads, outcome, bar, steps, log)
+            _pool(runnable, study, out, results, workers, threads, outcome, bar, steps, log, rec)
     finally:
         bar.close()
     c = outcome.counts()
@@ -528,7 +579,7 @@ def _show_running(bar, running: int, outcome: Outcome, queued: int) -> None:
 
 
 def _pool(cells: list[Cell], study: Study, out: Path, results: Path, workers: int, threads: int,
-          outcome: Outcome, bar, steps: dict[str, int], log) -> None:
+          outcome: Outcome, bar, steps: dict[str, int], log, code: dict[str, Any] | None = None) -> None:
     ctx = _context()
     queue, running = list(cells), {}
     before: dict[str, tuple | None] = {}  # cell id -> the result file there when its worker started
@@ -549,7 +600,7 @@ def _pool(cells: list[Cell], study: Study, out: Path, results: Path, workers: in
                 cell = queue.pop(0)
                 before[cell.id] = _stamp(results / cell.id / "result.json")
                 p = ctx.Process(target=_worker, name=f"qklab-{cell.id}", daemon=False,
-                                args=(cell, study.name, out, results, threads, study.protocol.probe, alive_r))
+                                args=(cell, study.name, out, results, threads, study.protocol.probe, alive_r, code))
                 p.start()
                 running[cell.id] = (cell, p)
             _show_running(bar, len(running), outcome, len(queue))
@@ -580,6 +631,7 @@ def _pool(cells: list[Cell], study: Study, out: Path, results: Path, workers: in
                     res = failed_result(cell_header(cell, study.name, out / "logs" / f"{cid}.log"),
                                         f"worker process exited with code {p.exitcode} before writing a result",
                                         None, 0.0)
+                    res["code"] = code
                     publish(results, cid, res)
                 _finish(cell, res, outcome, bar, steps, log)
             if bar.disable and time.time() - last_note > 60:  # no terminal: a line a minute, with an ETA
@@ -630,3 +682,109 @@ class _Terminated(KeyboardInterrupt):
 
 def _raise_interrupt(signum, _frame) -> None:
     raise _Terminated(f"signal {signum}")
+
+
+# `qklab study verify`: retrain committed cells from the config their result.json records, compare bit for bit
+
+VERIFIED_KEYS = ("status", "diverged", "divergence", "corpus", "n_params", "unigram_entropy", "final",
+                 "best_val_loss", "curves", "heads", "head_series", "spikes", "nonfinite_steps")
+
+
+@dataclass
+class Verdict:
+    cell: str
+    same: bool
+    differences: list[str] = field(default_factory=list)  # 'final.report_loss: 4.43 here, 4.4300000000000001 committed'
+
+
+def _canonical(v: Any) -> str:
+    from qklab.study.result import _finite
+
+    return json.dumps(_finite(v), sort_keys=True)
+
+
+def _differences(new: Any, old: Any, path: str = "") -> list[str]:
+    """Where two JSON values differ, by path (floats compared by their exact repr: bit for bit)."""
+    if isinstance(new, dict) and isinstance(old, dict):
+        out = []
+        for k in sorted(set(new) | set(old), key=str):
+            p = f"{path}.{k}" if path else str(k)
+            if k not in new or k not in old:
+                out.append(f"{p}: {'missing here' if k not in new else 'not in the committed result'}")
+            else:
+                out += _differences(new[k], old[k], p)
+        return out
+    if isinstance(new, list) and isinstance(old, list) and len(new) == len(old):
+        return [d for i, (a, b) in enumerate(zip(new, old, strict=True)) for d in _differences(a, b, f"{path}[{i}]")]
+    a, b = _canonical(new), _canonical(old)
+    return [] if a == b else [f"{path}: {a[:60]} retrained, {b[:60]} committed"]
+
+
+def verify_cell(res: dict[str, Any], out: Path, log=print) -> Verdict:
+    """Train the cell of a committed result again from the config it records (its thread count included,
+    in ``out``) and compare what the result holds, number for number."""
+    from qklab.config import from_dict
+    from qklab.data import prepare_data, unigram_entropy
+    from qklab.diagnostics.stability import NonFiniteError
+    from qklab.rundir.metrics import read_metrics
+    from qklab.train.trainer import Trainer
+
+    recorded = res.get("config")
+    if not isinstance(recorded, dict):
+        return Verdict(res["cell"], False, ["the result records no config"])
+    raw = dict(recorded)
+    if isinstance(raw.get("qk"), dict):  # saved as {"options": {name: {...}}}, read as [qk.<name>]
+        raw["qk"] = {k: v for k, v in raw["qk"].items() if k != "options"} | (raw["qk"].get("options") or {})
+    cfg = from_dict(RunConfig, raw).validate()
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(out), name=res["cell"],
+                                                             progress=False))
+    data = prepare_data(cfg.data, log=log)
+    stopped = None
+    try:
+        Trainer(cfg, resume=False, overwrite=True, data=data).run()
+    except NonFiniteError as e:
+        stopped = str(e)
+    run_dir = out / res["cell"]
+    new = build_result({}, run_dir, read_metrics(run_dir / "metrics.jsonl"),
+                       unigram_entropy(data.select_tokens(), data.vocab_size), res.get("cell_hash"), 0.0, stopped)
+    diffs = _differences({k: new.get(k) for k in VERIFIED_KEYS if k in new or k in res},
+                         {k: res.get(k) for k in VERIFIED_KEYS if k in new or k in res})
+    return Verdict(res["cell"], not diffs, diffs)
+
+
+def verify_results(results: Path, cells: int = 1, seed: int | None = None, out: Path | None = None,
+                   log=print, warn=None) -> list[Verdict]:
+    """Retrain ``cells`` finished (ok or diverged) cells of a results folder, drawn at random (``seed``), each
+    in a fresh run folder under ``out`` (default: a temporary folder, removed after)."""
+    import random
+    import shutil
+    import tempfile
+
+    results = Path(results)
+    if type(cells) is not int or cells < 1:
+        raise ConfigError(f"--cells {cells}: verify 1 or more cells")
+    if not results.is_dir():
+        raise ConfigError(f"no results folder {results}; give a folder holding <cell>/result.json files")
+    done = []
+    for f in sorted(results.glob("*/result.json")):
+        res, problem = load_result(f)
+        if problem is not None and warn is not None:
+            warn(f"warning: damaged result file {problem}; not verified")
+        if res is not None and res.get("status") in DONE:
+            done.append(res)
+    if not done:
+        raise ConfigError(f"{results} holds no finished (ok or diverged) result.json to verify")
+    chosen = random.Random(seed).sample(done, min(cells, len(done)))
+    tmp = Path(tempfile.mkdtemp(prefix="qklab-verify-")) if out is None else Path(out)
+    try:
+        verdicts = []
+        for res in chosen:
+            log(f"verify {res['cell']}: training it again from its result.json config")
+            v = verify_cell(res, tmp, log=lambda s: None)
+            log(f"  {v.cell}: " + ("identical, bit for bit" if v.same else
+                                   f"DIFFERS in {len(v.differences)} value(s): " + "; ".join(v.differences[:3])))
+            verdicts.append(v)
+        return verdicts
+    finally:
+        if out is None:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -4,8 +4,12 @@ Seeds are the unit of replication. A paired difference compares two methods on t
 initialisation stream and the same batches), so the seed-to-seed spread that both share cancels:
 d_s = a_s - b_s, then a one-sample t-test of mean(d) = 0 (two-sided), its 95% t-interval, and a
 percentile bootstrap interval of mean(d) (resampling seeds with a fixed generator, so it is reproducible;
-from four seeds on).
-With fewer than two values every spread, interval and p-value is NaN: one seed gives no interval.
+from four seeds on), the exact sign-flip (permutation) test of mean(d) = 0 (two-sided, every one of the
+2^n sign assignments of the differences enumerated), the degrees of freedom n - 1 and the effect size
+mean(d) / sd(d) (the mean difference in units of its seed-to-seed spread).
+With fewer than two values every spread, interval and t p-value is NaN: one seed gives no interval.
+Across a family of claims: Holm's step-down adjustment (family-wise error) and Benjamini-Hochberg's
+(false discovery rate) of a list of p-values.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from scipy import stats as sps
 CONFIDENCE = 0.95
 N_BOOT = 10_000
 MIN_BOOT = 4  # two seeds give 3 distinct resample means, three give 10: no interval from those
+MAX_EXACT = 16  # sign-flip enumeration up to 2^16 assignments; above, N_FLIP seeded random assignments
+N_FLIP = 1 << 16
 
 
 def _clean(xs: Sequence[float]) -> np.ndarray:
@@ -52,24 +58,98 @@ def bootstrap_ci(d: np.ndarray, confidence: float = CONFIDENCE, n_boot: int = N_
     return float(lo), float(hi)
 
 
-def paired_difference(a: dict[int, float], b: dict[int, float], confidence: float = CONFIDENCE) -> dict[str, float]:
-    """a - b over the seeds both have (finite values only). a, b: seed -> value.
+def sign_flip_p(d: Sequence[float], max_exact: int = MAX_EXACT, seed: int = 0) -> float:
+    """Two-sided p-value of the exact sign-flip test of mean(d) = 0: the share of the 2^n assignments of
+    signs to |d_i| whose mean is at least as far from zero as the observed one (the observed assignment
+    counts, so p >= 2 / 2^n when no difference is zero). Under the null each paired difference is as
+    likely to have either sign (the two methods are exchangeable within a seed). NaN for no values.
+    Above ``max_exact`` values, a seeded Monte Carlo estimate (count + 1) / (draws + 1) instead."""
+    x = _clean(d)
+    n = int(x.size)
+    if n == 0:
+        return float("nan")
+    obs = abs(float(x.mean()))
+    a = np.abs(x)
+    if n <= max_exact:
+        bits = (np.arange(1 << n, dtype=np.int64)[:, None] >> np.arange(n, dtype=np.int64)) & 1  # (2^n, n)
+        signs = 1.0 - 2.0 * bits
+        means = np.abs(signs @ a) / n  # (2^n,)
+        draws = means.size
+    else:
+        rng = np.random.default_rng(seed)
+        means = np.abs((1.0 - 2.0 * rng.integers(0, 2, size=(N_FLIP, n))) @ a) / n
+        draws = means.size
+    hit = int(np.count_nonzero(means >= obs - 1e-12 * max(1.0, obs)))  # ties in float count as "as extreme"
+    return hit / draws if n <= max_exact else (hit + 1) / (draws + 1)
 
-    Returns n, mean, std of the differences, the t statistic, its two-sided p-value, the t-interval
-    (ci_lo, ci_hi) and the bootstrap interval (boot_lo, boot_hi)."""
-    seeds = sorted(s for s in a.keys() & b.keys() if math.isfinite(a[s]) and math.isfinite(b[s]))
-    d = np.asarray([a[s] - b[s] for s in seeds], dtype=np.float64)  # (n,)
-    out = {**describe(d, confidence), "seeds": seeds, "t": float("nan"), "p": float("nan")}
-    if d.size >= 2:
-        se = out["std"] / math.sqrt(d.size)
+
+def min_sign_flip_p(n: int) -> float:
+    """The smallest two-sided p-value the exact sign-flip test can give with n paired values: 2 / 2^n."""
+    return 2.0 / 2.0 ** n if n >= 1 else float("nan")
+
+
+def min_seeds(alpha: float) -> int:
+    """The fewest paired seeds with which the exact sign-flip test can reach p < alpha (6 for 0.05)."""
+    n = 1
+    while min_sign_flip_p(n) >= alpha:
+        n += 1
+    return n
+
+
+def holm(ps: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the order given: sort the m finite p-values ascending,
+    p~(i) = max over j <= i of min(1, (m - j + 1) p(j)). NaN entries stay NaN and do not count in m."""
+    idx = [i for i, p in enumerate(ps) if p is not None and math.isfinite(p)]
+    out = [float("nan")] * len(ps)
+    m, run = len(idx), 0.0
+    for rank, i in enumerate(sorted(idx, key=lambda i: ps[i])):
+        run = max(run, min(1.0, (m - rank) * ps[i]))
+        out[i] = run
+    return out
+
+
+def benjamini_hochberg(ps: Sequence[float]) -> list[float]:
+    """Benjamini-Hochberg adjusted p-values (q-values), in the order given: sort the m finite p-values
+    ascending, q(i) = min over j >= i of min(1, m p(j) / j). NaN entries stay NaN and do not count in m."""
+    idx = sorted((i for i, p in enumerate(ps) if p is not None and math.isfinite(p)), key=lambda i: ps[i])
+    out = [float("nan")] * len(ps)
+    m, run = len(idx), 1.0
+    for rank in range(m, 0, -1):
+        i = idx[rank - 1]
+        run = min(run, min(1.0, m * ps[i] / rank))
+        out[i] = run
+    return out
+
+
+def difference_stats(d: Sequence[float], confidence: float = CONFIDENCE) -> dict[str, float]:
+    """The statistics of paired differences d (finite values only) against mean(d) = 0: n, mean, std, the
+    t statistic, its two-sided p-value, the t-interval (ci_lo, ci_hi), the bootstrap interval (boot_lo,
+    boot_hi), the degrees of freedom (df = n - 1), the exact sign-flip p-value (p_flip), the effect size
+    mean / std (effect) and the differences (diffs). To test mean(d) = m, pass d - m."""
+    x = _clean(d)  # (n,)
+    out = {**describe(x, confidence), "t": float("nan"), "p": float("nan"), "df": max(int(x.size) - 1, 0),
+           "p_flip": sign_flip_p(x), "effect": float("nan"), "diffs": x.tolist()}
+    if x.size >= 2:
+        se = out["std"] / math.sqrt(x.size)
         if se > 0:
             out["t"] = out["mean"] / se
-            out["p"] = float(2 * sps.t.sf(abs(out["t"]), d.size - 1))
+            out["p"] = float(2 * sps.t.sf(abs(out["t"]), x.size - 1))
+            out["effect"] = out["mean"] / out["std"]
         else:  # identical differences: no spread, the sign is certain only if they are non-zero
             out["t"] = math.copysign(math.inf, out["mean"]) if out["mean"] != 0 else 0.0
             out["p"] = 0.0 if out["mean"] != 0 else 1.0
-    out["boot_lo"], out["boot_hi"] = bootstrap_ci(d, confidence)
+            out["effect"] = out["t"]
+    out["boot_lo"], out["boot_hi"] = bootstrap_ci(x, confidence)
     return out
+
+
+def paired_difference(a: dict[int, float], b: dict[int, float], confidence: float = CONFIDENCE) -> dict[str, float]:
+    """a - b over the seeds both have (finite values only). a, b: seed -> value.
+
+    Returns the seeds and ``difference_stats`` of the differences: n, mean, std, t, its two-sided p-value,
+    the t-interval (ci_lo, ci_hi), the bootstrap interval (boot_lo, boot_hi), df, p_flip, effect, diffs."""
+    seeds = sorted(s for s in a.keys() & b.keys() if math.isfinite(a[s]) and math.isfinite(b[s]))
+    return {**difference_stats([a[s] - b[s] for s in seeds], confidence), "seeds": seeds}
 
 
 def fmt_mean_std(d: dict[str, float], digits: int = 3) -> str:

@@ -1,0 +1,41 @@
+"""`qklab study verify DIR`: a committed cell trained again from the config its result.json records gives the
+same numbers bit for bit; a result with one number off by one ulp is found and named."""
+
+from __future__ import annotations
+
+import math
+
+from qklab.cli import main
+from qklab.study.result import read_result, write_json_atomic
+from qklab.study.runner import run_study
+from qklab.study.spec import parse_study
+
+SETS = {"train.steps": 6, "train.lr": 1e-2, "train.eval_every": 3, "train.ckpt_every": 3, "train.diag_every": 3,
+        "data.max_files": 20}
+
+
+def test_verify_passes_on_an_untouched_cell_and_fails_one_ulp_off(tmp_path, capsys):
+    raw = {"study": {"config": "tiny", "seeds": [0], "set": {**SETS, "data.cache_dir": str(tmp_path / "cache")}},
+           "variants": {"a": {"qk.method": "qknorm"}}}
+    res_dir = tmp_path / "res"
+    run_study(parse_study(raw, "v"), tmp_path / "o", res_dir, workers=0, threads=1, log=lambda s: None)
+    path = res_dir / "a_lr1_s0" / "result.json"
+    committed = path.read_bytes()
+    assert main(["study", "verify", str(res_dir), "--cells", "3", "--out", str(tmp_path / "again")]) == 0
+    out = capsys.readouterr().out
+    assert "a_lr1_s0: identical, bit for bit" in out and "verified: 1 cell(s)" in out
+    assert path.read_bytes() == committed  # verify never writes results
+    res = read_result(path)
+    res["final"]["report_loss"] = math.nextafter(res["final"]["report_loss"], math.inf)  # one ulp
+    write_json_atomic(path, res)
+    assert main(["study", "verify", str(res_dir)]) == 1
+    cap = capsys.readouterr()
+    assert "a_lr1_s0: DIFFERS in 1 value(s): final.report_loss:" in cap.out
+    assert cap.err.strip() == "qklab: verify: 1 of 1 cell(s) differ from their committed result: a_lr1_s0"
+
+
+def test_verify_without_results_is_one_line(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["study", "verify", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("qklab: error:") and "no finished" in err and "\n" not in err
