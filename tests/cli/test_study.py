@@ -28,7 +28,7 @@ def test_status_lists_done_and_todo(tmp_path, capsys):
     f.write_text('[study]\nconfig = "tiny"\nseeds = [0, 1]\n[variants.a]\n"qk.method" = "none"\n')
     res = tmp_path / "res"
     # a result for seed 0 with the right hash: that of the config the runner trains
-    from qklab.study.runner import run_config
+    from qklab.study.cell import run_config
     from qklab.study.spec import cell_hash, load_study
 
     cell = load_study(f).cells[0]

@@ -164,7 +164,7 @@ def test_workers_come_from_the_study(tmp_path, monkeypatch):
     seen = []
 
     def fake_run(study, out, results, workers, report=True, **kw):
-        from qklab.study.runner import Outcome
+        from qklab.study.workers import Outcome
 
         seen.append(workers)
         return Outcome(), None

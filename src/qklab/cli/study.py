@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 
 from qklab.config import ConfigError, packaged, resolve_named_file
-from qklab.study.runner import Outcome, cell_status, reusable, reuse_index, run_study
+from qklab.study.runner import cell_status, reusable, reuse_index, run_study
 from qklab.study.spec import Study, load_study
+from qklab.study.workers import Outcome
 from qklab.version import allow_dirty_env
 
 STUDY_DIR = packaged("studies")
@@ -91,7 +92,7 @@ def _status(study: Study, results: Path) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     """``qklab study verify DIR``: 0 every retrained cell identical, 1 one differs (each named, one line)."""
-    from qklab.study.runner import verify_results
+    from qklab.study.verify import verify_results
 
     verdicts = verify_results(Path(args.file), cells=getattr(args, "cells", 1), seed=getattr(args, "seed", None),
                               out=Path(args.out) if args.out else None, warn=warn)

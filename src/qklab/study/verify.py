@@ -1,0 +1,120 @@
+"""``qklab study verify``: retrain committed cells from the configs they record and compare every number
+bit for bit ("reproducible from committed results")."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qklab.config import ConfigError, RunConfig
+from qklab.study.cell import DONE
+from qklab.study.result import (
+    build_result,
+    load_result,
+)
+
+VERIFIED_KEYS = ("status", "diverged", "divergence", "corpus", "n_params", "unigram_entropy", "final",
+                 "best_val_loss", "curves", "heads", "head_series", "spikes", "nonfinite_steps")
+
+
+@dataclass
+class Verdict:
+    cell: str
+    same: bool
+    differences: list[str] = field(default_factory=list)  # 'final.report_loss: 4.43 here, 4.4300000000000001 committed'
+
+
+def _canonical(v: Any) -> str:
+    from qklab.study.result import _finite
+
+    return json.dumps(_finite(v), sort_keys=True)
+
+
+def _differences(new: Any, old: Any, path: str = "") -> list[str]:
+    """Where two JSON values differ, by path (floats compared by their exact repr: bit for bit)."""
+    if isinstance(new, dict) and isinstance(old, dict):
+        out = []
+        for k in sorted(set(new) | set(old), key=str):
+            p = f"{path}.{k}" if path else str(k)
+            if k not in new or k not in old:
+                out.append(f"{p}: {'missing here' if k not in new else 'not in the committed result'}")
+            else:
+                out += _differences(new[k], old[k], p)
+        return out
+    if isinstance(new, list) and isinstance(old, list) and len(new) == len(old):
+        return [d for i, (a, b) in enumerate(zip(new, old, strict=True)) for d in _differences(a, b, f"{path}[{i}]")]
+    a, b = _canonical(new), _canonical(old)
+    return [] if a == b else [f"{path}: {a[:60]} retrained, {b[:60]} committed"]
+
+
+def verify_cell(res: dict[str, Any], out: Path, log=print) -> Verdict:
+    """Train the cell of a committed result again from the config it records (its thread count included,
+    in ``out``) and compare what the result holds, number for number."""
+    from qklab.config import from_dict
+    from qklab.data import prepare_data, unigram_entropy
+    from qklab.diagnostics.stability import NonFiniteError
+    from qklab.rundir.metrics import read_metrics
+    from qklab.train.trainer import Trainer
+
+    recorded = res.get("config")
+    if not isinstance(recorded, dict):
+        return Verdict(res["cell"], False, ["the result records no config"])
+    raw = dict(recorded)
+    if isinstance(raw.get("qk"), dict):  # saved as {"options": {name: {...}}}, read as [qk.<name>]
+        raw["qk"] = {k: v for k, v in raw["qk"].items() if k != "options"} | (raw["qk"].get("options") or {})
+    cfg = from_dict(RunConfig, raw).validate()
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(out), name=res["cell"],
+                                                             progress=False))
+    data = prepare_data(cfg.data, log=log)
+    stopped = None
+    try:
+        Trainer(cfg, resume=False, overwrite=True, data=data).run()
+    except NonFiniteError as e:
+        stopped = str(e)
+    run_dir = out / res["cell"]
+    new = build_result({}, run_dir, read_metrics(run_dir / "metrics.jsonl"),
+                       unigram_entropy(data.select_tokens(), data.vocab_size), res.get("cell_hash"), 0.0, stopped)
+    diffs = _differences({k: new.get(k) for k in VERIFIED_KEYS if k in new or k in res},
+                         {k: res.get(k) for k in VERIFIED_KEYS if k in new or k in res})
+    return Verdict(res["cell"], not diffs, diffs)
+
+
+def verify_results(results: Path, cells: int = 1, seed: int | None = None, out: Path | None = None,
+                   log=print, warn=None) -> list[Verdict]:
+    """Retrain ``cells`` finished (ok or diverged) cells of a results folder, drawn at random (``seed``), each
+    in a fresh run folder under ``out`` (default: a temporary folder, removed after)."""
+    import random
+    import shutil
+    import tempfile
+
+    results = Path(results)
+    if type(cells) is not int or cells < 1:
+        raise ConfigError(f"--cells {cells}: verify 1 or more cells")
+    if not results.is_dir():
+        raise ConfigError(f"no results folder {results}; give a folder holding <cell>/result.json files")
+    done = []
+    for f in sorted(results.glob("*/result.json")):
+        res, problem = load_result(f)
+        if problem is not None and warn is not None:
+            warn(f"warning: damaged result file {problem}; not verified")
+        if res is not None and res.get("status") in DONE:
+            done.append(res)
+    if not done:
+        raise ConfigError(f"{results} holds no finished (ok or diverged) result.json to verify")
+    chosen = random.Random(seed).sample(done, min(cells, len(done)))
+    tmp = Path(tempfile.mkdtemp(prefix="qklab-verify-")) if out is None else Path(out)
+    try:
+        verdicts = []
+        for res in chosen:
+            log(f"verify {res['cell']}: training it again from its result.json config")
+            v = verify_cell(res, tmp, log=lambda s: None)
+            log(f"  {v.cell}: " + ("identical, bit for bit" if v.same else
+                                   f"DIFFERS in {len(v.differences)} value(s): " + "; ".join(v.differences[:3])))
+            verdicts.append(v)
+        return verdicts
+    finally:
+        if out is None:
+            shutil.rmtree(tmp, ignore_errors=True)
