@@ -46,7 +46,8 @@ def head_rows(group: dict) -> dict[int, int]:
 
 
 class HeadMuon(torch.optim.Muon):
-    """torch's Muon, with the per-head orthogonalisation of the matrices a group names in ``head_rows``."""
+    """torch's Muon, with the per-head orthogonalisation of the matrices a group names in ``head_rows``, on
+    whole parameters and on FSDP2 row shards alike (a whole parameter is its own rows, from 0)."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -62,29 +63,6 @@ class HeadMuon(torch.optim.Muon):
             heads = head_rows(group)
             lr, wd, mom = float(group["lr"]), group["weight_decay"], group["momentum"]
             for p, g, buf in zip(params, grads, bufs, strict=True):  # torch's _single_tensor_muon, per head
-                buf.lerp_(g, 1 - mom)
-                update = g.lerp(buf, mom) if group["nesterov"] else buf
-                ortho, shape = orthogonalise(update, group, heads.get(id(p), 0))
-                p.mul_(1 - lr * wd)
-                p.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
-        return loss
-
-
-class ShardedMuon(HeadMuon):
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params: list[torch.Tensor] = []
-            grads: list[torch.Tensor] = []
-            bufs: list[torch.Tensor] = []
-            self._init_group(group, params, grads, bufs)
-            heads = head_rows(group)
-            lr, wd, mom = float(group["lr"]), group["weight_decay"], group["momentum"]
-            for p, g, buf in zip(params, grads, bufs, strict=True):
                 rows, start = local_rows(p)  # (r, C): this rank's rows of the parameter
                 b, gl = (buf.to_local(), g.to_local()) if is_sharded(p) else (buf, g)
                 b.lerp_(gl, 1 - mom)
@@ -94,6 +72,9 @@ class ShardedMuon(HeadMuon):
                 rows.mul_(1 - lr * wd)
                 rows.add_(ortho[start : start + rows.shape[0]], alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
         return loss
+
+
+ShardedMuon = HeadMuon  # the name FSDP2 runs use: the same step gathers each sharded update whole
 
 
 def _gather_rows(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
