@@ -39,3 +39,27 @@ def test_verify_without_results_is_one_line(tmp_path, capsys):
     assert main(["study", "verify", str(tmp_path / "empty")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("qklab: error:") and "no finished" in err and "\n" not in err
+
+
+def test_verify_compares_probes_and_rehashes_the_config(tmp_path, capsys):
+    sets = {**SETS, "train.steps": 40, "train.eval_every": 20, "train.ckpt_every": 20, "train.diag_every": 20,
+            "train.lr": 3e-3, "data.cache_dir": str(tmp_path / "cache")}  # trained below the unigram entropy
+    raw = {"study": {"config": "tiny", "seeds": [0], "set": sets},
+           "variants": {"a": {"qk.method": "none"}}, "protocol": {"probe": 1}}
+    res_dir = tmp_path / "res"
+    run_study(parse_study(raw, "v"), tmp_path / "o", res_dir, workers=0, threads=1, log=lambda s: None)
+    path = res_dir / "a_lr1_s0" / "result.json"
+    res = read_result(path)
+    assert not res["diverged"] and res["probe"]["retrieval"]
+    assert main(["study", "verify", str(res_dir)]) == 0
+    res["probe"]["summary"]["first_token"] = math.nextafter(res["probe"]["summary"]["first_token"], 0.0)
+    write_json_atomic(path, res)
+    assert main(["study", "verify", str(res_dir)]) == 1
+    assert "probe.summary.first_token:" in capsys.readouterr().out
+    # the numbers restored, the config edited: its hash no longer matches the one the result names
+    res = read_result(path)
+    res["probe"]["summary"]["first_token"] = math.nextafter(res["probe"]["summary"]["first_token"], 1.0)
+    res["config"]["train"]["grad_clip"] = 0.5
+    write_json_atomic(path, res)
+    assert main(["study", "verify", str(res_dir)]) == 1
+    assert "cell_hash: the recorded config hashes to" in capsys.readouterr().out

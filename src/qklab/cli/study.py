@@ -105,6 +105,19 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _amend(study: Study, results: Path, why: str | None) -> int:
+    from qklab.study.runner import amend_plan
+
+    if why is None:
+        raise ConfigError("amend needs --why \"...\": the reason the registered claims change")
+    data = amend_plan(study, results, why)
+    entry = data["plan_history"][-1]
+    old, new = (entry.get(k) or {} for k in ("old", "new"))
+    print(f"amended the plan of {study.name} in {results / 'study.json'}: {len(old.get('claims', {}))} -> "
+          f"{len(new.get('claims', {}))} registered claim(s), {len(data['plan_history'])} amendment(s) on record")
+    return 0
+
+
 def study_command(args: argparse.Namespace) -> int:
     if args.action == "verify":
         return _verify(args)
@@ -113,6 +126,8 @@ def study_command(args: argparse.Namespace) -> int:
     results = Path(args.results) if args.results else out / "results"
     if args.action == "status":
         return _status(study, results)
+    if args.action == "amend":
+        return _amend(study, results, getattr(args, "why", None))
     allow_dirty = getattr(args, "allow_dirty", False) or allow_dirty_env()
     outcome, _ = run_and_report(study, out, results, workers_for(study, args.workers), report=not args.no_report,
                                 threads=getattr(args, "threads", None), allow_dirty=allow_dirty)

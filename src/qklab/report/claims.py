@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from qklab.study.analyze import highest_within
+from qklab.study.plan import CATALOGUE, defaults, registered_plan, stored_plan
 from qklab.study.stats import benjamini_hochberg, difference_stats, fmt_ci, holm, min_seeds, paired_difference
 
 COMPETITIVE_MARGIN = 0.05  # nats: "competitive" = not worse by more than this (upper 95% bound)
@@ -110,7 +112,7 @@ def _pair(groups, a: tuple, b: tuple, metric: str, match: str | None = None) -> 
             note = f" (no pair at the same {match}: each at its best)"
     x, y = pairs[0]
     d = paired_difference(x["at_chosen"][metric], y["at_chosen"][metric])
-    d["a"], d["b"], d["note"] = x["variant"], y["variant"], note
+    d["a"], d["b"], d["note"], d["study"] = x["variant"], y["variant"], note, x["study"]
     return d, ""
 
 
@@ -139,42 +141,74 @@ def _verdict_less(d: dict | None, why: str, what: str, margin: float = 0.0) -> t
     return "inconclusive", meas, "the interval contains " + (f"{margin:+g}" if margin else "0"), st
 
 
-def _less(a, b, metric, what, margin=0.0, match=None):
-    return lambda groups: _verdict_less(*_pair(groups, a, b, metric, match), what, margin)
+def _less(a, b, metric, what):
+    """Claim a < b + margin on ``metric``, each at its tuned rate; pairing "same-tau": a pair whose
+    controllers share tau first (QuacK against the multiplier)."""
+    def test(groups, p):
+        d, why = _pair(groups, a, b, metric, "tau" if p.get("pairing") == "same-tau" else None)
+        return (*_verdict_less(d, why, what, p.get("margin", 0.0)), _used(groups, d, chosen=True))
+    return test
 
 
-def _stable_rate(a: tuple, b: tuple) -> Callable[[list[dict]], tuple[str, str, str]]:
-    """Claim: a tolerates a higher base rate than b: the highest rate with no diverged seed, each method at
-    its best option (e.g. QuacK's best tau, QK-clip's best threshold) within one study and grid point."""
-    def test(groups):
+def _used(groups: list[dict], d: dict | None, chosen: bool) -> list[str]:
+    """The result files of the two variants a paired difference read (at their chosen rates, or all)."""
+    if d is None:
+        return []
+    out = []
+    for g in groups:
+        if g["variant"] in (d.get("a"), d.get("b")) and (not d.get("study") or g["study"] == d["study"]):
+            rates = [g["chosen"]] if chosen and g["chosen"] is not None else list(g.get("cells", {}))
+            out += [c["path"] for m in rates for c in g.get("cells", {}).get(m, []) if c.get("path")]
+    return out
+
+
+def _stable_rate(a: tuple, b: tuple) -> Callable:
+    """Claim: a tolerates a higher base rate than b: the highest rate that holds, each method at its best
+    option (e.g. QuacK's best tau, QK-clip's best threshold) within one study and grid point. A rate holds
+    by the registered rule: "entropy", no seed diverged (its final loss below the unigram entropy);
+    "delta", besides, the mean selection loss within delta nats of the variant's own best rate."""
+    def test(groups, p):
+        v, meas, why, used = _stable(groups, p)
+        return v, meas, why, None, used
+
+    def _stable(groups, p):
+        rule, delta = p.get("stable", "entropy"), p.get("delta", 0.1)
+
+        def holds(g):
+            return g["highest_stable"] if rule == "entropy" else highest_within(g, delta)
+
         pairs, why = _places(groups, a, b)
         if not pairs:
-            return "not measurable", "-", why
+            return "not measurable", "-", why, []
         x0, y0 = pairs[0]
         here = [g for g in groups if g["study"] == x0["study"] and g["point"] == x0["point"]]
         xs = [g for g in _find(here, *a) if len(g["sweep"]) >= 2]
         ys = [g for g in _find(here, *b) if len(g["sweep"]) >= 2]
         if not xs or not ys:
-            return "not measurable", "-", "needs a learning-rate grid (one rate per method was run)"
+            return "not measurable", "-", "needs a learning-rate grid (one rate per method was run)", []
 
-        def best(gs):  # the variant stable up to the highest rate (None: every variant diverged everywhere)
-            g = max(gs, key=lambda g: -math.inf if g["highest_stable"] is None else g["highest_stable"])
-            return g, g["highest_stable"]
+        def best(gs):  # the variant that holds up to the highest rate (None: no rate holds for any variant)
+            g = max(gs, key=lambda g: -math.inf if holds(g) is None else holds(g))
+            return g, holds(g)
 
         (x, hx), (y, hy) = best(xs), best(ys)
+        used = [c["path"] for g in (x, y) for cs in g.get("cells", {}).values() for c in cs if c.get("path")]
         tops = {max(g["sweep"]) for g in xs + ys}
         rx, ry = (f"x{h:g}" if h is not None else "none" for h in (hx, hy))
-        meas = (f"highest rate with no diverged seed: {x['variant']} {rx}, {y['variant']} {ry} "
-                f"(grid up to x{max(tops):g})")
+        how = ("with no diverged seed" if rule == "entropy"
+               else f"within {delta:g} nats of its own best, no seed diverged")
+        meas = f"highest rate {how}: {x['variant']} {rx}, {y['variant']} {ry} (grid up to x{max(tops):g})"
         if hx is None or hy is None:
-            return "inconclusive", meas, "a method diverged at every rate"
+            return "inconclusive", meas, "a method held at no rate", used
         if hx == hy and hx in tops:
-            return "inconclusive", meas, "neither diverged within the grid; extend it upward"
+            return "inconclusive", meas, "both held up to the top of the grid; extend it upward", used
+        if hx == hy:
+            return "inconclusive", meas, "both held up to the same rate: a tie", used
         lo, g_lo = (hy, y) if hx > hy else (hx, x)
         if max(g_lo["sweep"]) <= lo:  # the less stable one never ran above the rate where it held
-            return "inconclusive", meas, f"{g_lo['variant']} did not run above x{lo:g}"
-        return ("agree", meas, "stable at a higher rate") if hx > hy else (
-            "disagree", meas, "not stable at a higher rate")
+            return "inconclusive", meas, f"{g_lo['variant']} did not run above x{lo:g}", used
+        return ("agree", meas, "holds at a higher rate", used) if hx > hy else (
+            "disagree", meas, "does not hold at a higher rate", used)
     return test
 
 
@@ -184,16 +218,29 @@ def _as_ratio(reason: str) -> str:
         "contains 0", "contains a ratio of 1")
 
 
-def _logits_at_same_rate(a: tuple, b: tuple) -> Callable[[list[dict]], tuple[str, str, str]]:
-    """Claim: a keeps the max attention logit below b's when both train at the same base rate. Read at
-    the highest rate of the grid where both ran and no seed of either diverged (where the control has
-    the most to do and both runs still train), as the paired ratio a / b over seeds (a difference of
-    log10, since logits differ by decades across rates); the ratio at every shared stable rate is listed."""
-    def test(groups):
+def _logits_at_same_rate(a: tuple, b: tuple) -> Callable:
+    """Claim: a keeps the max attention logit below b's. Rate "highest-shared-stable": read at the highest
+    rate of the grid where both ran and no seed of either diverged (where the control has the most to do
+    and both runs still train), as the paired ratio a / b over seeds (a difference of log10, since logits
+    differ by decades across rates); the ratio at every shared stable rate is listed. Rate "tuned": each
+    at its own chosen rate."""
+    def test(groups, p):
         pairs, why = _places(groups, a, b)
         if not pairs:
-            return "not measurable", "-", why
+            return "not measurable", "-", why, None, []
         x, y = pairs[0]
+        used = [c["path"] for g in (x, y) for cs in g.get("cells", {}).values() for c in cs if c.get("path")]
+        if p.get("rate") == "tuned":
+            lx, ly = ({s: math.log10(v) for s, v in g["at_chosen"]["max_logit"].items() if math.isfinite(v) and v > 0}
+                      for g in (x, y))
+            d = {**paired_difference(lx, ly), "a": x["variant"], "b": y["variant"]}
+            verdict, _, reason, st = _verdict_less(d, "", "max logit")
+            meas = (f"{x['variant']} / {y['variant']} at their tuned rates (x{x['chosen']:g}, x{y['chosen']:g}): "
+                    f"{10 ** d['mean']:.3g}" + (f", 95% CI [{10 ** d['ci_lo']:.3g}, {10 ** d['ci_hi']:.3g}]"
+                                                 if d["n"] >= 2 else "") + f", n={d['n']}") if d["n"] else "-"
+            if st is not None:
+                st["log_ratio"] = True
+            return verdict, meas, _as_ratio(reason), st, _used(groups, {**d, "study": x["study"]}, chosen=True)
 
         def logs(g, m):
             return {s: math.log10(v) for s, v in g["sweep"][m].get("max_logit_by_seed", {}).items()
@@ -203,7 +250,8 @@ def _logits_at_same_rate(a: tuple, b: tuple) -> Callable[[list[dict]], tuple[str
                   if x["sweep"][m]["diverged"] == 0 and y["sweep"][m]["diverged"] == 0
                   and paired_difference(logs(x, m), logs(y, m))["n"] > 0]
         if not shared:
-            return "not measurable", "-", "no rate at which both ran with no diverged seed and a finite max logit"
+            return ("not measurable", "-", "no rate at which both ran with no diverged seed and a finite max logit",
+                    None, [])
         by_rate = {m: paired_difference(logs(x, m), logs(y, m)) for m in shared}
         top = shared[-1]
         d = {**by_rate[top], "a": x["variant"], "b": y["variant"]}
@@ -213,37 +261,48 @@ def _logits_at_same_rate(a: tuple, b: tuple) -> Callable[[list[dict]], tuple[str
                 + f", n={d['n']}; by rate: " + ", ".join(f"x{m:g} {10 ** by_rate[m]['mean']:.2g}" for m in shared))
         if st is not None:
             st["log_ratio"] = True
-        return verdict, meas, _as_ratio(reason), st
+        return verdict, meas, _as_ratio(reason), st, used
     return test
 
 
-def _elsewhere(reason: str) -> Callable[[list[dict]], tuple[str, str, str]]:
+def _elsewhere(reason: str) -> Callable:
     """A claim that study results cannot test; the reason says where it is measured instead."""
-    return lambda groups: ("not measurable", "-", reason)
+    return lambda groups, p: ("not measurable", "-", reason, None, [])
 
 
-def _probe_claim(key: str, a: tuple, b: tuple, higher: bool) -> Callable[[list[dict]], tuple[str, str, str]]:
-    def test(groups):
+def _probe_value(probe: dict, key: str, context: int):
+    """A probe's ``key``: from its summary (context 0: at the training length), else the retrieval entry at
+    ``context`` tokens."""
+    if context and key == "log_contrast":
+        return next((r.get(key) for r in probe.get("retrieval") or [] if int(r["length"]) == context), None)
+    return probe["summary"].get(key)
+
+
+def _probe_claim(key: str, a: tuple, b: tuple, higher: bool) -> Callable:
+    def test(groups, p):
+        context = int(p.get("context", 0) or 0)
         pairs, why = _places(groups, a, b)
         if not pairs:
-            return "not measurable", "-", why
+            return "not measurable", "-", why, None, []
         probed = [(x, y) for x, y in pairs if x["probe_by_seed"] and y["probe_by_seed"]]  # the study that probed
         x, y = (probed or pairs)[0]
-        sa, sb = ({s: float(p["summary"][key]) for s, p in g["probe_by_seed"].items()
-                   if p["summary"].get(key) is not None} for g in (x, y))
+        sa, sb = ({s: float(v) for s, pr in g["probe_by_seed"].items()
+                   if (v := _probe_value(pr, key, context)) is not None} for g in (x, y))
         if not sa or not sb:
             return "not measurable", "-", ("no attention probes in these results (set [protocol] probe = 1 or more)"
-                                           if not probed else f"the probes have no '{key}'")
+                                           if not probed else f"the probes have no '{key}'"
+                                           + (f" at {context} tokens" if context else "")), None, []
         d = paired_difference(sb, sa) if higher else paired_difference(sa, sb)
         d["a"], d["b"] = (y["variant"], x["variant"]) if higher else (x["variant"], y["variant"])
-        return _verdict_less(d, "", key)
+        d["study"] = x["study"]
+        return (*_verdict_less(d, "", key, p.get("margin", 0.0)), _used(groups, d, chosen=True))
     return test
 
 
-def _width_gap(a: tuple, b: tuple) -> Callable[[list[dict]], tuple[str, str, str]]:
+def _width_gap(a: tuple, b: tuple) -> Callable:
     """Claim: a's advantage over b (b - a, report loss, paired by seed, each at its chosen rate) is larger
     at the widest width of a study's grid than at the narrowest."""
-    def test(groups):
+    def test(groups, p):
         gaps: dict[str, dict[int, dict[int, float]]] = {}  # study -> width -> seed -> b - a
         for x in _find(groups, *a):
             for y in _find(groups, *b):
@@ -253,112 +312,165 @@ def _width_gap(a: tuple, b: tuple) -> Callable[[list[dict]], tuple[str, str, str
         study = max(gaps, key=lambda k: len(gaps[k]), default=None)
         if study is None or len(gaps[study]) < 2:
             return "not measurable", "-", (f"needs {_name(a)} and {_name(b)} at two or more widths in one study "
-                                           "(studies/logit_control_width.toml)")
+                                           "(studies/logit_control_width.toml)"), None, []
         by_w = gaps[study]
         lo, hi = min(by_w), max(by_w)
         d = paired_difference(by_w[lo], by_w[hi])  # gap at the narrowest - gap at the widest: < 0 if it grows
         d["a"], d["b"] = f"gap at width {lo}", f"gap at width {hi}"
         verdict, meas, reason, st = _verdict_less(d, "", "report loss")
         means = ", ".join(f"{w}: {np.mean(list(g.values())):+.3f}" if g else f"{w}: -" for w, g in sorted(by_w.items()))
-        return verdict, f"{meas}; mean gap ({_name(b)} - {_name(a)}) by width: {means}", reason, st
+        used = [c["path"] for g in groups if g["study"] == study and g in (*_find(groups, *a), *_find(groups, *b))
+                for c in g.get("cells", {}).get(g["chosen"], []) if c.get("path")]
+        return verdict, f"{meas}; mean gap ({_name(b)} - {_name(a)}) by width: {means}", reason, st, used
     return test
 
 
-MHA, MLA = "mha", "mla"
-SAME_RATE_LOGITS = "max attention logit at the end, paired ratio at the same rate (the highest where neither diverged)"
-QKMAP, STD, QKN = (MHA, "qkmap", "none"), (MHA, "none", "none"), (MHA, "qknorm", "none")
-
-CLAIMS: list[Claim] = [
-    Claim("QK-MAP", "lower validation loss than Standard attention", "report-split loss, paired over seeds",
-          _less(QKMAP, STD, "report_loss", "report loss")),
-    Claim("QK-MAP", "lower validation loss than QK-Norm", "report-split loss, paired over seeds",
-          _less(QKMAP, QKN, "report_loss", "report loss")),
-    Claim("QK-MAP", "lower training loss than Standard attention", "mean train loss of the last 10% of steps",
-          _less(QKMAP, STD, "train_loss", "train loss")),
-    Claim("QK-MAP", "lower training loss than QK-Norm", "mean train loss of the last 10% of steps",
-          _less(QKMAP, QKN, "train_loss", "train loss")),
-    Claim("QK-MAP", "less attention on the first token than Standard attention",
-          "first-token attention at the last diagnostics step (held-out probe batch)",
-          _less(QKMAP, STD, "first_token", "first-token attention")),
-    Claim("QK-MAP", "keeps sensitivity to input scale (unlike QK-Norm)",
-          "probe: attention JS divergence at input scale x4, QK-MAP minus QK-Norm",
-          _probe_claim("magnitude_js_a4", QKMAP, QKN, higher=True)),
-    Claim("QK-MAP", "stronger attention contrast on relevant evidence at long context",
-          "probe: retrieval evidence log-contrast at the longest context <= training length",
-          _probe_claim("log_contrast", QKMAP, STD, higher=True)),
-    Claim("QuacK", "allows a higher base learning rate than no intervention (MHA)",
-          "highest rate of the grid with no diverged seed", _stable_rate((MHA, "none", "quack"), STD)),
-    Claim("QuacK", "allows a higher base learning rate than no intervention (MLA)",
-          "highest rate of the grid with no diverged seed",
-          _stable_rate((MLA, "none", "quack"), (MLA, "none", "none"))),
-    Claim("QuacK", "stable where QK-clip diverges at high rates (MHA)",
-          "highest rate of the grid with no diverged seed",
-          _stable_rate((MHA, "none", "quack"), (MHA, "none", "qkclip"))),
-    Claim("QuacK", "stable where QK-clip diverges at high rates (MLA)",
-          "highest rate of the grid with no diverged seed",
-          _stable_rate((MLA, "none", "quack"), (MLA, "none", "qkclip"))),
-    Claim("QuacK", "outperforms no intervention in the MLA setting", "report-split loss, paired over seeds",
-          _less((MLA, "none", "quack"), (MLA, "none", "none"), "report_loss", "report loss")),
-    Claim("QuacK", "outperforms QK-Normed MLA in the MLA setting", "report-split loss, paired over seeds",
-          _less((MLA, "none", "quack"), (MLA, "qknorm", "none"), "report_loss", "report loss")),
-    Claim("QuacK", "outperforms QK-clip in the MLA setting", "report-split loss, paired over seeds",
-          _less((MLA, "none", "quack"), (MLA, "none", "qkclip"), "report_loss", "report loss")),
-    Claim("QuacK", f"competitive with QK-Norm with MHA (not worse by more than {COMPETITIVE_MARGIN} nats)",
-          "report-split loss, paired over seeds",
-          _less((MHA, "none", "quack"), QKN, "report_loss", "report loss", COMPETITIVE_MARGIN)),
-    Claim("QuacK", "trains faster than QK-Norm (no norms in the block)", "step time, interleaved benchmark",
-          _elsewhere("study cells share the machine, so the CPU time of the same work varies by up to 30% "
-                     "between cells; benchmarks/step_time.py measures it (README, Benchmarks)")),
-    Claim("QuacK", "better than the fixed-multiplier ablation",
-          "report-split loss, paired over seeds, QuacK and the multiplier at the same tau where both ran",
-          _less((MHA, "none", "quack"), (MHA, "none", "qk_lr_multiplier"), "report_loss", "report loss",
-                match="tau")),
-    Claim("QuacK", "keeps attention logits smaller than no intervention (MHA)", SAME_RATE_LOGITS,
-          _logits_at_same_rate((MHA, "none", "quack"), STD)),
-    Claim("QuacK", "keeps attention logits smaller than no intervention (MLA)", SAME_RATE_LOGITS,
-          _logits_at_same_rate((MLA, "none", "quack"), (MLA, "none", "none"))),
-    Claim("QuacK", "its advantage over no intervention grows with width (the paper's argument)",
-          "report-loss gap none - quack at the widest minus the narrowest width, paired over seeds",
-          _width_gap((MHA, "none", "quack"), STD)),
-]
-
-
-def _new_verdict(old: str, reason: str, st: dict | None, p_holm: float) -> tuple[str, str]:
+def _new_verdict(old: str, reason: str, st: dict | None, p_holm: float, alpha: float = ALPHA) -> tuple[str, str]:
     """VERDICT_RULE, from the old rule's verdict and reason, the claim's statistics and its Holm p."""
-    verdict, why = _new_verdict_raw(old, reason, st, p_holm)
-    return verdict, (_as_ratio(why) if st and st.get("log_ratio") and st["n"] >= MIN_SEEDS else why)
+    verdict, why = _new_verdict_raw(old, reason, st, p_holm, alpha)
+    return verdict, (_as_ratio(why) if st and st.get("log_ratio") and st["n"] >= min_seeds(alpha) else why)
 
 
-def _new_verdict_raw(old: str, reason: str, st: dict | None, p_holm: float) -> tuple[str, str]:
+def _new_verdict_raw(old: str, reason: str, st: dict | None, p_holm: float, alpha: float) -> tuple[str, str]:
     if st is None or old == "not measurable":  # a grid-rule claim, or nothing to test
         return old, reason
-    if st["n"] < MIN_SEEDS:
+    need = min_seeds(alpha)
+    if st["n"] < need:
         return "underpowered", (f"{st['n']} paired seed{'s' * (st['n'] > 1)}: the exact sign-flip test needs "
-                                f"{MIN_SEEDS} to reach p < {ALPHA:g} (old rule: {reason})")
+                                f"{need} to reach p < {alpha:g} (old rule: {reason})")
     side = "below" if st["ci_hi"] < st["margin"] else "above" if st["ci_lo"] > st["margin"] else None
-    if p_holm < ALPHA and side:
+    if p_holm < alpha and side:
         return ("agree" if side == "below" else "disagree"), (
-            f"Holm p = {p_holm:.3g} < {ALPHA:g} and the whole interval is {side} {st['margin']:g}")
-    if p_holm >= ALPHA:
-        return "inconclusive", f"Holm p = {p_holm:.3g} is not below {ALPHA:g}"
+            f"Holm p = {p_holm:.3g} < {alpha:g} and the whole interval is {side} {st['margin']:g}")
+    if p_holm >= alpha:
+        return "inconclusive", f"Holm p = {p_holm:.3g} is not below {alpha:g}"
     return "inconclusive", "the interval contains " + (f"{st['margin']:+g}" if st["margin"] else "0")
 
 
-def claims_table(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per claim: verdict and reason by VERDICT_RULE, the old rule's verdict (verdict_old), and the
-    statistics of a paired claim (stats: None for the others) with its family's Holm and BH adjustments
-    of the sign-flip p-value (p_holm, q_bh). A family is one paper's claims."""
+MHA, MLA = "mha", "mla"
+QKMAP, STD, QKN = (MHA, "qkmap", "none"), (MHA, "none", "none"), (MHA, "qknorm", "none")
+QUACK, MLA_QUACK, MLA_STD = (MHA, "none", "quack"), (MLA, "none", "quack"), (MLA, "none", "none")
+
+# claim id (study.plan.CATALOGUE: its paper, kind, text, measurement) -> its test(groups, parameters)
+MEASURE: dict[str, Callable] = {
+    "qkmap.val_vs_none": _less(QKMAP, STD, "report_loss", "report loss"),
+    "qkmap.val_vs_qknorm": _less(QKMAP, QKN, "report_loss", "report loss"),
+    "qkmap.train_vs_none": _less(QKMAP, STD, "train_loss", "train loss"),
+    "qkmap.train_vs_qknorm": _less(QKMAP, QKN, "train_loss", "train loss"),
+    "qkmap.first_token": _less(QKMAP, STD, "first_token", "first-token attention"),
+    "qkmap.input_scale": _probe_claim("magnitude_js_a4", QKMAP, QKN, higher=True),
+    "qkmap.evidence": _probe_claim("log_contrast", QKMAP, STD, higher=True),
+    "quack.stable_mha": _stable_rate(QUACK, STD),
+    "quack.stable_mla": _stable_rate(MLA_QUACK, MLA_STD),
+    "quack.vs_qkclip_stable_mha": _stable_rate(QUACK, (MHA, "none", "qkclip")),
+    "quack.vs_qkclip_stable_mla": _stable_rate(MLA_QUACK, (MLA, "none", "qkclip")),
+    "quack.mla_vs_none": _less(MLA_QUACK, MLA_STD, "report_loss", "report loss"),
+    "quack.mla_vs_qknorm": _less(MLA_QUACK, (MLA, "qknorm", "none"), "report_loss", "report loss"),
+    "quack.mla_vs_qkclip": _less(MLA_QUACK, (MLA, "none", "qkclip"), "report_loss", "report loss"),
+    "quack.competitive_qknorm": _less(QUACK, QKN, "report_loss", "report loss"),
+    "quack.speed": _elsewhere("study cells share the machine, so the CPU time of the same work varies by up to 30% "
+                              "between cells; benchmarks/step_time.py measures it (README, Benchmarks)"),
+    "quack.vs_multiplier": _less(QUACK, (MHA, "none", "qk_lr_multiplier"), "report_loss", "report loss"),
+    "quack.logits_mha": _logits_at_same_rate(QUACK, STD),
+    "quack.logits_mla": _logits_at_same_rate(MLA_QUACK, MLA_STD),
+    "quack.width_gap": _width_gap(QUACK, STD),
+}
+assert MEASURE.keys() == CATALOGUE.keys()
+
+
+def _claim_text(cid: str, p: dict) -> str:
+    text = CATALOGUE[cid][2]
+    if cid == "quack.competitive_qknorm":
+        text = f"competitive with QK-Norm with MHA (not worse by more than {p.get('margin', 0):g} nats)"
+    return text
+
+
+def _scope(kind: str, p: dict) -> tuple[str, str]:
+    """(what the measurement shows, what it does not), one sentence each."""
+    scale = ("at this study's scale (its model, data and steps), nor whether it carries over to larger models, "
+             "other data or longer training")
+    if kind == "loss":
+        return ("The paired difference over seeds, each method at its own tuned rate (selection split), read on "
+                "the report split.", f"It does not show the effect beyond the rates and seeds run, or {scale}.")
+    if kind == "probe":
+        ctx = f"{p['context']} tokens" if p.get("context") else "the training length"
+        return (f"The paired difference of a probe measure at {ctx} on held-out inputs, each method at its tuned rate.",
+                f"It does not show the effect on downstream tasks, or {scale}.")
+    if kind == "logits":
+        return ("The paired ratio of the final max attention logit at the same base rate." if p.get("rate") !=
+                "tuned" else "The paired ratio of the final max attention logit, each at its tuned rate.",
+                f"It does not show whether the smaller logits change the loss, or {scale}.")
+    if kind == "stable":
+        rule = (f"its mean selection loss within {p.get('delta', 0.1):g} nats of its own best" if p.get("stable") ==
+                "delta" else "no seed ending above the unigram entropy")
+        return (f"The highest rate of the grid that holds ({rule}).",
+                "It is a grid reading, not a test over seeds; it does not show stability beyond the grid.")
+    if kind == "width":
+        return ("How the gap at the chosen rate changes from the narrowest to the widest width of the ladder.",
+                "It does not show the trend beyond the widths run.")
+    return ("Nothing: study cells cannot measure it.", "See the reason.")
+
+
+def _row(cid: str, groups: list[dict], p: dict, study: str | None, registered: bool) -> dict[str, Any]:
+    paper, kind, _, measurement = CATALOGUE[cid]
+    here = [g for g in groups if g["study"] == study] if study else groups
+    verdict, measured, reason, st, used = MEASURE[cid](here, p)
+    shows, not_shows = _scope(kind, p)
+    return {"id": cid, "paper": paper, "claim": _claim_text(cid, p), "measurement": measurement,
+            "measured": measured, "verdict_old": verdict, "reason_old": reason, "stats": st,
+            "p_holm": float("nan"), "q_bh": float("nan"), "params": p, "study": study,
+            "family": p.get("family") or paper, "alpha": p.get("alpha", ALPHA),
+            "status": "confirmatory" if registered else "exploratory",
+            "cells": used, "shows": shows, "not_shows": not_shows}
+
+
+def _table(groups: list[dict], plans: dict[str, dict] | None) -> list[dict[str, Any]]:
+    """One row per catalogue claim. ``plans`` (study -> its registered plan, or None): a claim registered
+    by a study is read on that study's groups with its parameters (confirmatory); else on every group with
+    the catalogue's parameters (exploratory). ``plans`` None: every claim as if registered by default."""
     rows = []
-    for c in CLAIMS:
-        verdict, measured, reason, st = (*c.test(groups), None)[:4]
-        rows.append({"paper": c.paper, "claim": c.text, "measurement": c.measurement, "measured": measured,
-                     "verdict_old": verdict, "reason_old": reason, "stats": st,
-                     "p_holm": float("nan"), "q_bh": float("nan")})
-    for family in dict.fromkeys(r["paper"] for r in rows):
-        fam = [r for r in rows if r["paper"] == family and r["stats"] is not None]
+    for cid in CATALOGUE:
+        regs = sorted((s, pl[cid]) for s, pl in (plans or {}).items() if pl and cid in pl)
+        if regs:
+            rows.append(_row(cid, groups, regs[0][1], regs[0][0], True))
+            rows[-1]["also_registered_by"] = [s for s, _ in regs[1:]]
+        else:
+            rows.append(_row(cid, groups, defaults(cid), None, plans is None))
+    for family in dict.fromkeys(r["family"] for r in rows):
+        fam = [r for r in rows if r["family"] == family and r["stats"] is not None and r["status"] == "confirmatory"]
         ps = [r["stats"]["p_flip"] for r in fam]
         for r, h, q in zip(fam, holm(ps), benjamini_hochberg(ps), strict=True):
             r["p_holm"], r["q_bh"] = h, q
     for r in rows:
-        r["verdict"], r["reason"] = _new_verdict(r["verdict_old"], r["reason_old"], r["stats"], r["p_holm"])
+        if r["status"] == "exploratory":
+            r["verdict"] = "exploratory"
+            r["reason"] = "not registered in any study's [claims]: the numbers describe, they do not test"
+        else:
+            r["verdict"], r["reason"] = _new_verdict(r["verdict_old"], r["reason_old"], r["stats"], r["p_holm"],
+                                                     r["alpha"])
+    return rows
+
+
+def claims_table(groups: list[dict[str, Any]], studies: dict[str, dict] | None = None) -> list[dict[str, Any]]:
+    """One row per claim: verdict and reason by VERDICT_RULE, the old rule's verdict (verdict_old), and the
+    statistics of a paired claim (stats: None for the others) with its family's Holm and BH adjustments
+    of the sign-flip p-value (p_holm, q_bh), the result files it read (cells), its status (confirmatory:
+    registered in a study's [claims]; exploratory) and, for a claim of a study whose plan was amended
+    after results, ``amended`` and its verdict under the plan first registered (verdict_registered).
+    ``studies`` (name -> study.json, as the report reads them): None reads every claim as registered with
+    the catalogue's parameters (the verdict rule on its own)."""
+    if studies is None:
+        return _table(groups, None)
+    now = {name: stored_plan(s) for name, s in studies.items()}
+    rows = _table(groups, now)
+    amended = {name for name, s in studies.items() if s.get("plan_history")}
+    if amended:
+        first = {name: registered_plan(s) if name in amended else now[name] for name, s in studies.items()}
+        before = {r["id"]: r for r in _table(groups, first)}
+        for r in rows:
+            b = before[r["id"]]
+            if r["study"] in amended or b["study"] in amended:
+                r["amended"] = True
+                r["verdict_registered"], r["reason_registered"] = b["verdict"], b["reason"]
+                r["measured_registered"] = b["measured"]
     return rows

@@ -5,7 +5,11 @@ split, and compare each variant with its reference on the same seeds.
 * A rate is *eligible* when every one of its seeds finished and none diverged. The chosen rate is the
   eligible rate with the lowest mean selection-split loss (ties: the lower rate). ``select_rate`` sees
   only selection losses; report losses are read afterwards, at the chosen rate only.
-* The highest stable rate is the highest rate at which no seed diverged (failed cells do not count).
+* The highest stable rate is the highest rate at which no seed diverged (failed cells do not count): the
+  entropy rule, as a diverged run is one whose loss ends above the unigram entropy (``DIVERGENCE_RULE``).
+  Under the delta rule a rate holds when, besides, its mean selection loss is within ``delta`` nats of
+  the variant's own best rate; ``near_best`` is the highest rate at which the variant is within ``delta``
+  of the best variant of its study, grid point and attention type.
 * Paired differences: the group's report loss minus its reference's (the variant named by
   ``[protocol] reference`` for this attention type, same study and grid point), each at its own chosen
   rate, over the seeds both have.
@@ -86,7 +90,7 @@ def load_results(dirs: list[str | Path], problems: list[str] | None = None) -> t
                                 "counted once")
                 continue
             seen_cells[key] = (p, r.get("cell_hash"))
-            results.append(r)
+            results.append({**r, "_path": str(p)})  # where it was read: the report links numbers to it
     return results, studies
 
 
@@ -138,7 +142,43 @@ def _key(r: dict) -> tuple[str, str, str]:
     return r.get("study", ""), r["variant"], _point_label(r.get("point", {}))
 
 
-def analyze(results: list[dict], studies: dict[str, dict]) -> dict[str, Any]:
+DELTA = 0.1  # nats: the delta rule's default (a study's registered plan may set its own)
+
+
+def _mean_select(s: dict) -> float:
+    m = s["select"].get("mean", float("nan")) if s["diverged"] == 0 and s["n"] > s["failed"] else float("nan")
+    return m if m is not None else float("nan")
+
+
+def best_select(g: dict) -> float:
+    """The lowest mean selection loss over the variant's rates with no diverged seed (NaN: none)."""
+    xs = [x for x in map(_mean_select, g["sweep"].values()) if math.isfinite(x)]
+    return min(xs) if xs else float("nan")
+
+
+def highest_within(g: dict, delta: float, best: float | None = None) -> float | None:
+    """The highest rate with no diverged seed whose mean selection loss is within ``delta`` of ``best``
+    (default: the variant's own best), or None."""
+    best = best_select(g) if best is None else best
+    ok = [m for m, s in g["sweep"].items() if math.isfinite(_mean_select(s)) and _mean_select(s) <= best + delta]
+    return max(ok) if ok else None
+
+
+def stability(groups: list[dict], delta: float = DELTA) -> None:
+    """Each group's ``stable``: its highest holding rate by the entropy rule and by the delta rule, and
+    ``near_best``, the highest rate within delta of the best variant at its place (study, point, attention)."""
+    best: dict[tuple, float] = {}
+    for g in groups:
+        k, b = (g["study"], g["point"], g["attention"]), best_select(g)
+        if math.isfinite(b):
+            best[k] = min(best.get(k, math.inf), b)
+    for g in groups:
+        b = best.get((g["study"], g["point"], g["attention"]))
+        g["stable"] = {"entropy": g["highest_stable"], "delta": highest_within(g, delta), "delta_value": delta,
+                       "near_best": highest_within(g, delta, b) if b is not None else None}
+
+
+def analyze(results: list[dict], studies: dict[str, dict], delta: float = DELTA) -> dict[str, Any]:
     """Groups with their rate sweep, chosen rate, report statistics and paired differences."""
     cells: dict[tuple, list[dict]] = defaultdict(list)
     for r in results:
@@ -158,6 +198,7 @@ def analyze(results: list[dict], studies: dict[str, dict]) -> dict[str, Any]:
             for metric in ("report_loss", "train_loss", "max_logit", "first_token"):
                 g["paired"][metric] = paired_difference(g["at_chosen"][metric], rg["at_chosen"][metric])
     ordered = sorted(groups.values(), key=lambda g: (g["study"], _natural(g["point"]), g["attention"], g["order"]))
+    stability(ordered, delta)
     return {"groups": ordered, "studies": studies, "n_results": len(results)}
 
 
@@ -199,6 +240,8 @@ def _group(key: tuple, rs: list[dict]) -> dict[str, Any]:
                     "late_drop": describe([_late_drop(c) for c in fin if not c["diverged"]]),
                     "late_steps": _late_steps(fin)}
     chosen = select_rate(select, eligible)
+    cells = {m: [{"seed": c["seed"], "cell": c["cell"], "path": c.get("_path")} for c in cs]
+             for m, cs in sorted(by_mult.items())}
     stable = [m for m, s in sweep.items() if s["diverged"] == 0 and s["n"] > s["failed"]]
     at: dict[str, dict[int, float]] = {k: {} for k in ("report_loss", "val_loss", "train_loss", "max_logit",
                                                         "first_token", "logit_change", "tokens_per_s",
@@ -219,7 +262,8 @@ def _group(key: tuple, rs: list[dict]) -> dict[str, Any]:
             "n_cells": len(rs),
             "failed": [{"cell": r["cell"], "failure": r.get("failure"), "log": r.get("log")}
                        for r in rs if r["status"] == "failed"],
-            "sweep": sweep, "chosen": chosen, "chosen_lr": sweep[chosen]["lr"] if chosen is not None else None,
+            "sweep": sweep, "cells": cells, "chosen": chosen,
+            "chosen_lr": sweep[chosen]["lr"] if chosen is not None else None,
             "highest_stable": max(stable) if stable else None, "at_chosen": at,
             "stats": {k: describe(list(v.values())) for k, v in at.items()},
             "curves": [c["curves"] for c in chosen_cells], "heads": [c.get("heads", {}) for c in chosen_cells],

@@ -46,6 +46,7 @@ from tqdm import tqdm
 from qklab.config import ConfigError
 from qklab.rundir.folder import RunLock, RunLockError
 from qklab.study.cell import DONE, publish, run_cell
+from qklab.study.plan import amend, check_plan, registration
 from qklab.study.result import (
     cell_header,
     failed_result,
@@ -167,18 +168,50 @@ def _check_owner(study: Study, results: Path) -> None:
                           f"'{study.name}'; give another --results")
 
 
+KEPT = ("code", "plan", "plan_history")  # study.json entries the runner keeps (not the study file's)
+
+
+def n_results(results: Path) -> int:
+    """Cells with a result file in ``results`` (any status): after the first, the plan is fixed."""
+    return sum(1 for _ in Path(results).glob("*/result.json"))
+
+
 def _write_study_json(study: Study, results: Path, warn) -> None:
     """``study.json`` as run; an unchanged one is left alone (a committed file stays byte for byte), and the
-    code versions it names (``code``) are kept."""
+    code versions it names (``code``) and its plan record are kept. The study file's ``[claims]`` are
+    registered here, before any cell trains; changed after results are in, they are refused (amend)."""
     path = results / "study.json"
     data, problem = read_json(path)
+    data = data if problem is None and isinstance(data, dict) else None
+    action = check_plan(data, study.plan, n_results(results))
     want = json.loads(json.dumps(study.to_dict(), default=str))
-    codes = data.get("code") if isinstance(data, dict) and isinstance(data.get("code"), list) else []
-    if problem is None and isinstance(data, dict) and {k: v for k, v in data.items() if k != "code"} == want:
+    kept = {k: data[k] for k in KEPT if data is not None and k in data}
+    if action == "register":
+        kept.pop("plan", None)
+        if study.plan is not None:
+            kept["plan"] = registration(study.plan)
+    if data is not None and {k: v for k, v in data.items() if k not in KEPT} == want and action == "same":
         return
-    if problem not in (None, "missing") or (problem is None and not isinstance(data, dict)):
+    if problem not in (None, "missing") or (problem is None and data is None):
         warn(f"warning: damaged {path} ({problem or 'not an object'}); written anew")
-    write_json_atomic(path, {**study.to_dict(), **({"code": codes} if codes else {})})
+    write_json_atomic(path, {**study.to_dict(), **kept})
+
+
+def amend_plan(study: Study, results: Path, why: str) -> dict[str, Any]:
+    """``qklab study amend``: the study file's claims replace the ones its results folder registered; the
+    old and new plan, the reason and the time go into ``plan_history``. Returns the new study.json."""
+    path = Path(results) / "study.json"
+    data, problem = read_json(path)
+    if problem == "missing":
+        raise ConfigError(f"amend: {path} not found; a study registers its claims when it first runs "
+                          f"(qklab study run), so there is nothing to amend yet")
+    if problem is not None or not isinstance(data, dict):
+        raise ConfigError(f"amend: {path} is damaged ({problem or 'not an object'})")
+    if data.get("name") != study.name:
+        raise ConfigError(f"amend: {path} is study '{data.get('name')}', not '{study.name}'")
+    out = amend(data, study.plan, why)
+    write_json_atomic(path, out)
+    return out
 
 
 def provenance_path(results: Path, diff_sha256: str) -> Path:

@@ -16,6 +16,9 @@
     [variants.quack]
     "qk.controller" = "quack"
 
+    [claims."qkmap.val_vs_none"]     # optional: the pre-registered claims (qklab.study.plan)
+    family = "QK-MAP"
+
     [protocol]
     reference = "none"               # paired differences against this variant ({mha = .., mla = ..} per attention)
     lr_mults = [0.5, 1, 2]           # each variant's own grid, in multiples of its own base rate
@@ -45,6 +48,7 @@ from typing import Any
 
 from qklab.config import NEUTRAL, ConfigError, RunConfig, _parse_value, check_run_name, from_dict, read_preset, set_key
 from qklab.methods import CONTROLLERS, METHODS
+from qklab.study.plan import parse_plan
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -99,6 +103,7 @@ class Study:
     protocol: Protocol
     workers: int = 1  # [study] workers: the default of --workers (0: in the calling process, serially)
     cells: list[Cell] = field(default_factory=list)
+    plan: dict[str, dict[str, Any]] | None = None  # [claims]: claim id -> every parameter (study.plan)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "config": self.config, "seeds": self.seeds, "set": self.set,
@@ -216,7 +221,7 @@ def parse_study(raw: dict[str, Any], name: str, path: Path | None = None, note=N
     """Build and validate a study from its parsed TOML; every cell's config is checked up front. ``note``
     (a print function) hears how many cells a large study has before they are checked."""
     _need(isinstance(raw, dict), "study file", "must be a TOML document of tables")
-    known = {"study", "grid", "variants", "protocol"}
+    known = {"study", "grid", "variants", "protocol", "claims"}
     extra = set(raw) - known
     _need(not extra, "study file", f"unknown section(s) {', '.join(sorted(extra))}; use {', '.join(sorted(known))}")
     s = raw.get("study", {})
@@ -275,7 +280,8 @@ def parse_study(raw: dict[str, Any], name: str, path: Path | None = None, note=N
           f"{proto.probe!r}: use 0 (no probes) or N >= 1 (probe contexts up to N training lengths)")
     _need(type(proto.data_seed) is int and proto.data_seed >= -1, "[protocol] data_seed",
           "use a seed >= 0 (the same batches in every cell) or -1 (each seed its own order)")
-    study = Study(name, path, preset, list(seeds), every_cell, grid, variants, proto, workers)
+    study = Study(name, path, preset, list(seeds), every_cell, grid, variants, proto, workers,
+                  plan=parse_plan(raw.get("claims")))
     n = len(seeds) * math.prod(len(v) for v in grid.values()) * sum(len(proto.mults(v)) for v in variants)
     if n > LARGE and note is not None:  # validating every cell takes a while: say so before the wait
         note(f"study {name}: {n:,} cells; checking every cell's config (about {n / 1500:.0f} s) ...")

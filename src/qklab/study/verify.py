@@ -1,5 +1,7 @@
 """``qklab study verify``: retrain committed cells from the configs they record and compare every number
-bit for bit ("reproducible from committed results")."""
+bit for bit ("reproducible from committed results"): the training numbers, and the attention probes when
+the result has them. The recorded config must hash to the cell hash the result names; a cell trained by
+another code version than the one verifying it is named (numbers may then differ for that reason)."""
 
 from __future__ import annotations
 
@@ -50,9 +52,34 @@ def _differences(new: Any, old: Any, path: str = "") -> list[str]:
     return [] if a == b else [f"{path}: {a[:60]} retrained, {b[:60]} committed"]
 
 
-def verify_cell(res: dict[str, Any], out: Path, log=print) -> Verdict:
+def _probe_mult(res: dict[str, Any], cfg: RunConfig, results: Path | None) -> int:
+    """The probe contexts the study used, in training lengths: its study.json's [protocol] probe, else the
+    longest retrieval context the committed probe holds."""
+    from qklab.study.result import read_json
+
+    if results is not None:
+        sj, problem = read_json(results / "study.json")
+        n = (sj.get("protocol") or {}).get("probe") if problem is None and isinstance(sj, dict) else None
+        if type(n) is int and n > 0:
+            return n
+    lengths = [int(r["length"]) for r in (res.get("probe") or {}).get("retrieval") or [] if r.get("length")]
+    return max(1, -(-max(lengths, default=cfg.train.seq_len) // cfg.train.seq_len))
+
+
+def _hash_problem(res: dict[str, Any], cfg: RunConfig) -> list[str]:
+    from qklab.study.spec import cell_hash, legacy_cell_hash
+
+    named = res.get("cell_hash")
+    # a result records the vocabulary size the data resolved; the study's config has 0 ("from the data")
+    auto = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=0))
+    if named is None or named in {h(c) for c in (cfg, auto) for h in (cell_hash, legacy_cell_hash)}:
+        return []
+    return [f"cell_hash: the recorded config hashes to {cell_hash(cfg)}, the result names {named}"]
+
+
+def verify_cell(res: dict[str, Any], out: Path, log=print, results: Path | None = None) -> Verdict:
     """Train the cell of a committed result again from the config it records (its thread count included,
-    in ``out``) and compare what the result holds, number for number."""
+    in ``out``) and compare what the result holds, number for number, its probes included."""
     from qklab.config import from_dict
     from qklab.data import prepare_data, unigram_entropy
     from qklab.diagnostics.stability import NonFiniteError
@@ -66,6 +93,7 @@ def verify_cell(res: dict[str, Any], out: Path, log=print) -> Verdict:
     if isinstance(raw.get("qk"), dict):  # saved as {"options": {name: {...}}}, read as [qk.<name>]
         raw["qk"] = {k: v for k, v in raw["qk"].items() if k != "options"} | (raw["qk"].get("options") or {})
     cfg = from_dict(RunConfig, raw).validate()
+    hashed = _hash_problem(res, cfg)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(out), name=res["cell"],
                                                              progress=False))
     data = prepare_data(cfg.data, log=log)
@@ -77,8 +105,13 @@ def verify_cell(res: dict[str, Any], out: Path, log=print) -> Verdict:
     run_dir = out / res["cell"]
     new = build_result({}, run_dir, read_metrics(run_dir / "metrics.jsonl"),
                        unigram_entropy(data.select_tokens(), data.vocab_size), res.get("cell_hash"), 0.0, stopped)
-    diffs = _differences({k: new.get(k) for k in VERIFIED_KEYS if k in new or k in res},
-                         {k: res.get(k) for k in VERIFIED_KEYS if k in new or k in res})
+    keys = [k for k in VERIFIED_KEYS if k in new or k in res]
+    if res.get("probe") and not new.get("diverged"):  # the attention probes, as the study ran them
+        from qklab.study.cell import _probe
+
+        new["probe"] = _probe(run_dir, _probe_mult(res, cfg, results))
+        keys.append("probe")
+    diffs = hashed + _differences({k: new.get(k) for k in keys}, {k: res.get(k) for k in keys})
     return Verdict(res["cell"], not diffs, diffs)
 
 
@@ -105,12 +138,21 @@ def verify_results(results: Path, cells: int = 1, seed: int | None = None, out: 
     if not done:
         raise ConfigError(f"{results} holds no finished (ok or diverged) result.json to verify")
     chosen = random.Random(seed).sample(done, min(cells, len(done)))
+    from qklab.version import code_version
+
+    here = code_version().record()
     tmp = Path(tempfile.mkdtemp(prefix="qklab-verify-")) if out is None else Path(out)
     try:
         verdicts = []
         for res in chosen:
             log(f"verify {res['cell']}: training it again from its result.json config")
-            v = verify_cell(res, tmp, log=lambda s: None)
+            was = res.get("code") if isinstance(res.get("code"), dict) else {}
+            if was.get("commit") and (was.get("commit"), was.get("diff_sha256")) != (here.get("commit"),
+                                                                                   here.get("diff_sha256")):
+                note = (f"  note: trained by code {was['commit'][:12]}{'-dirty' if was.get('dirty') else ''}, "
+                        f"verified with {str(here.get('commit'))[:12]}{'-dirty' if here.get('dirty') else ''}")
+                (warn or log)(note)
+            v = verify_cell(res, tmp, log=lambda s: None, results=results)
             log(f"  {v.cell}: " + ("identical, bit for bit" if v.same else
                                    f"DIFFERS in {len(v.differences)} value(s): " + "; ".join(v.differences[:3])))
             verdicts.append(v)

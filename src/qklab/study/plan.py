@@ -1,0 +1,232 @@
+"""Pre-registered claims: a study's ``[claims]`` table, its hash in ``study.json`` before the first cell
+trains, and amendments made in the open.
+
+    [claims]                          # defaults of every registered claim below
+    alpha = 0.05                      # the test's level
+    test = "sign-flip"                # exact sign-flip test over paired seeds (grid claims: "grid")
+    delta = 0.1                       # nats: "stable" = within delta of the method's own best rate
+    [claims."qkmap.val_vs_none"]      # a claim of the catalogue, by id, with its own keys
+    family = "QK-MAP"                 # the family its p-value is corrected within (Holm)
+    [claims."quack.stable_mha"]
+    stable = "delta"                  # or "entropy": the final loss below the unigram entropy
+
+A plan is the claims it registers, each with every parameter filled in (the catalogue's defaults, the
+table's, the claim's own): the measurement, the rate rule, the context, the margin, the test, alpha and
+the family. Its hash is of those parameters. A study whose results folder already holds cells cannot
+change its plan without ``qklab study amend FILE --why``, which keeps the old plan, the new one, the
+reason and the time in ``study.json`` (``plan_history``); the report marks every verdict read under an
+amended plan and gives it under both. Claims a study did not register are exploratory.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+from qklab.config import ConfigError
+
+SIGN_FLIP, GRID = "sign-flip", "grid"
+QKMAP_FAMILY, QUACK_FAMILY = "QK-MAP", "QuacK"
+
+# kind -> the parameters a claim of that kind takes, with their defaults and allowed values (None: any
+# number >= 0 / any positive int / any non-empty string, by the default's type)
+_COMMON = {"alpha": 0.05, "test": SIGN_FLIP, "family": ""}
+KINDS: dict[str, dict[str, Any]] = {
+    "loss": {**_COMMON, "rate": "tuned", "margin": 0.0, "pairing": "best"},
+    "probe": {**_COMMON, "rate": "tuned", "margin": 0.0, "context": 0},  # context: tokens (0: the training length)
+    "logits": {**_COMMON, "rate": "highest-shared-stable"},
+    "stable": {"test": GRID, "stable": "delta", "delta": 0.1, "family": ""},
+    "width": {**_COMMON, "rate": "tuned"},
+    "elsewhere": {},
+}
+CHOICES = {"test": {"loss": [SIGN_FLIP], "probe": [SIGN_FLIP], "logits": [SIGN_FLIP], "width": [SIGN_FLIP],
+                    "stable": [GRID]},
+           "rate": {"loss": ["tuned"], "probe": ["tuned"], "width": ["tuned"],
+                    "logits": ["highest-shared-stable", "tuned"]},
+           "pairing": {"loss": ["best", "same-tau"]},
+           "stable": {"stable": ["delta", "entropy"]}}
+
+# id -> (paper, kind, claim, measurement); the report (report/claims.py) measures each id
+CATALOGUE: dict[str, tuple[str, str, str, str]] = {
+    "qkmap.val_vs_none": ("QK-MAP", "loss", "lower validation loss than Standard attention",
+                          "report-split loss, paired over seeds"),
+    "qkmap.val_vs_qknorm": ("QK-MAP", "loss", "lower validation loss than QK-Norm",
+                            "report-split loss, paired over seeds"),
+    "qkmap.train_vs_none": ("QK-MAP", "loss", "lower training loss than Standard attention",
+                            "mean train loss of the last 10% of steps"),
+    "qkmap.train_vs_qknorm": ("QK-MAP", "loss", "lower training loss than QK-Norm",
+                              "mean train loss of the last 10% of steps"),
+    "qkmap.first_token": ("QK-MAP", "loss", "less attention on the first token than Standard attention",
+                          "first-token attention at the last diagnostics step (held-out probe batch)"),
+    "qkmap.input_scale": ("QK-MAP", "probe", "keeps sensitivity to input scale (unlike QK-Norm)",
+                          "probe: attention JS divergence at input scale x4, QK-MAP minus QK-Norm"),
+    "qkmap.evidence": ("QK-MAP", "probe", "stronger attention contrast on relevant evidence at long context",
+                       "probe: retrieval evidence log-contrast at the registered context (default: the training "
+                       "length)"),
+    "quack.stable_mha": ("QuacK", "stable", "allows a higher base learning rate than no intervention (MHA)",
+                         "highest rate of the grid that holds, by the registered stability rule"),
+    "quack.stable_mla": ("QuacK", "stable", "allows a higher base learning rate than no intervention (MLA)",
+                         "highest rate of the grid that holds, by the registered stability rule"),
+    "quack.vs_qkclip_stable_mha": ("QuacK", "stable", "stable where QK-clip diverges at high rates (MHA)",
+                                   "highest rate of the grid that holds, by the registered stability rule"),
+    "quack.vs_qkclip_stable_mla": ("QuacK", "stable", "stable where QK-clip diverges at high rates (MLA)",
+                                   "highest rate of the grid that holds, by the registered stability rule"),
+    "quack.mla_vs_none": ("QuacK", "loss", "outperforms no intervention in the MLA setting",
+                          "report-split loss, paired over seeds"),
+    "quack.mla_vs_qknorm": ("QuacK", "loss", "outperforms QK-Normed MLA in the MLA setting",
+                            "report-split loss, paired over seeds"),
+    "quack.mla_vs_qkclip": ("QuacK", "loss", "outperforms QK-clip in the MLA setting",
+                            "report-split loss, paired over seeds"),
+    "quack.competitive_qknorm": ("QuacK", "loss",
+                                 "competitive with QK-Norm with MHA (not worse by more than the margin)",
+                                 "report-split loss, paired over seeds"),
+    "quack.speed": ("QuacK", "elsewhere", "trains faster than QK-Norm (no norms in the block)",
+                    "step time, interleaved benchmark"),
+    "quack.vs_multiplier": ("QuacK", "loss", "better than the fixed-multiplier ablation",
+                            "report-split loss, paired over seeds (pairing: each at its best, or at the same tau)"),
+    "quack.logits_mha": ("QuacK", "logits", "keeps attention logits smaller than no intervention (MHA)",
+                         "max attention logit at the end, paired ratio (rate: the highest where neither diverged, or "
+                         "each at its tuned rate)"),
+    "quack.logits_mla": ("QuacK", "logits", "keeps attention logits smaller than no intervention (MLA)",
+                         "max attention logit at the end, paired ratio (rate: the highest where neither diverged, or "
+                         "each at its tuned rate)"),
+    "quack.width_gap": ("QuacK", "width", "its advantage over no intervention grows with width (the paper's argument)",
+                        "report-loss gap none - quack at the widest minus the narrowest width, paired over seeds"),
+}
+CLAIM_DEFAULTS = {"quack.competitive_qknorm": {"margin": 0.05}, "quack.vs_multiplier": {"pairing": "same-tau"}}
+TABLE_KEYS = {"alpha", "test", "delta", "stable", "rate"}  # [claims] scalars: defaults for the claims below
+
+
+def defaults(cid: str) -> dict[str, Any]:
+    """Every parameter of claim ``cid`` at the catalogue's values (its paper as the family)."""
+    paper, kind, _, _ = CATALOGUE[cid]
+    out = {**KINDS[kind], **CLAIM_DEFAULTS.get(cid, {})}
+    if "family" in out:
+        out["family"] = paper
+    return out
+
+
+def _check(cid: str, key: str, value: Any, kind: str, default: Any) -> Any:
+    where = f"[claims.\"{cid}\"] {key}"
+    if key in CHOICES and kind in CHOICES[key]:
+        if value not in CHOICES[key][kind]:
+            raise ConfigError(f"{where} = {value!r}: use one of {', '.join(map(repr, CHOICES[key][kind]))}")
+        return value
+    if isinstance(default, str):
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{where} = {value!r}: use a non-empty string")
+        return value
+    if isinstance(default, int) and not isinstance(default, bool) and key == "context":
+        if type(value) is not int or value < 0:
+            raise ConfigError(f"{where} = {value!r}: use a number of tokens (0: the training length)")
+        return value
+    if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{where} = {value!r}: use a number >= 0")
+    if key == "alpha" and not 0 < value < 1:
+        raise ConfigError(f"{where} = {value!r}: use a level between 0 and 1, e.g. 0.05")
+    return float(value)
+
+
+def parse_plan(raw: Any) -> dict[str, dict[str, Any]] | None:
+    """The ``[claims]`` table -> {claim id: every parameter}, or None when the study registers nothing."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ConfigError("[claims] must be a table: defaults (alpha, test, delta, stable) and one table per claim id")
+    table = {k: v for k, v in raw.items() if not isinstance(v, dict)}
+    bad = set(table) - TABLE_KEYS
+    if bad:
+        raise ConfigError(f"[claims]: unknown key(s) {', '.join(sorted(bad))}; defaults are "
+                          f"{', '.join(sorted(TABLE_KEYS))}, and each registered claim is a table [claims.\"<id>\"]")
+    plan: dict[str, dict[str, Any]] = {}
+    for cid, own in raw.items():
+        if not isinstance(own, dict):
+            continue
+        if cid not in CATALOGUE:
+            raise ConfigError(f"[claims.\"{cid}\"]: no such claim; claims: {', '.join(CATALOGUE)}")
+        kind = CATALOGUE[cid][1]
+        params = defaults(cid)
+        unknown = set(own) - set(params)
+        if unknown:
+            raise ConfigError(f"[claims.\"{cid}\"]: unknown key(s) {', '.join(sorted(unknown))}; a {kind} claim takes "
+                              f"{', '.join(params) or 'no keys'}")
+        for k, v in [*((k, v) for k, v in table.items() if k in params), *own.items()]:
+            params[k] = _check(cid, k, v, kind, params[k])
+        plan[cid] = params
+    if not plan:
+        raise ConfigError("[claims] registers no claim; add a table [claims.\"<id>\"] per claim, e.g. "
+                          "[claims.\"qkmap.val_vs_none\"]")
+    return plan
+
+
+def plan_hash(plan: dict[str, dict[str, Any]] | None) -> str | None:
+    return None if plan is None else hashlib.sha256(
+        json.dumps(plan, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def describe_plan(plan: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The plan as written into study.json: each claim's parameters with its paper, text and measurement."""
+    return {cid: {"paper": CATALOGUE[cid][0], "claim": CATALOGUE[cid][2], "measurement": CATALOGUE[cid][3], **p}
+            for cid, p in plan.items()}
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def registration(plan: dict[str, dict[str, Any]] | None) -> dict[str, Any]:
+    """study.json's ``plan`` entry for a plan registered now."""
+    return {"sha256": plan_hash(plan), "registered": _now(), "claims": describe_plan(plan or {})}
+
+
+def stored_plan(study_json: dict[str, Any] | None) -> dict[str, dict[str, Any]] | None:
+    """The plan a study.json records (its parameters only), or None."""
+    rec = (study_json or {}).get("plan")
+    if not isinstance(rec, dict) or not isinstance(rec.get("claims"), dict):
+        return None
+    return {cid: {k: v for k, v in p.items() if k not in ("paper", "claim", "measurement")}
+            for cid, p in rec["claims"].items() if isinstance(p, dict)}
+
+
+def registered_plan(study_json: dict[str, Any] | None) -> dict[str, dict[str, Any]] | None:
+    """The plan first on record (before any amendment), or None."""
+    hist = (study_json or {}).get("plan_history")
+    for entry in hist if isinstance(hist, list) else []:
+        for rec in (entry.get("old"), entry.get("new")) if isinstance(entry, dict) else ():
+            if isinstance(rec, dict):  # the earliest plan on record (a first amendment may register one)
+                return stored_plan({"plan": rec})
+    return stored_plan(study_json)
+
+
+def check_plan(study_json: dict[str, Any] | None, plan: dict[str, dict[str, Any]] | None, n_results: int) -> str:
+    """What the runner does with the file's plan: "same", "register" (nothing recorded yet, or no cell has
+    trained) or a ConfigError when the plan would change after results are in."""
+    old = plan_hash(stored_plan(study_json))
+    new = plan_hash(plan)
+    if old == new:
+        return "same"
+    if n_results == 0:
+        return "register"
+    what = ("registers claims" if old is None else "changes its registered claims" if new
+            else "drops its registered claims")
+    raise ConfigError(f"the study file {what} after {n_results} cell(s) of results; record the change in the open with "
+                      "qklab study amend FILE --why \"...\" (the report then shows the verdicts under both plans)")
+
+
+def amend(study_json: dict[str, Any], plan: dict[str, dict[str, Any]] | None, why: str) -> dict[str, Any]:
+    """study.json with ``plan`` replacing the recorded one; the old plan, the new one, the reason and the time
+    appended to ``plan_history``."""
+    if not isinstance(why, str) or not why.strip():
+        raise ConfigError("amend: --why must say why the plan changes, e.g. --why \"the grid moved up one step\"")
+    if plan_hash(stored_plan(study_json)) == plan_hash(plan):
+        raise ConfigError("amend: the study file's claims are the registered ones; nothing to amend")
+    out = copy.deepcopy(study_json)
+    old = out.get("plan")
+    new = registration(plan) if plan is not None else None
+    hist = out.get("plan_history") if isinstance(out.get("plan_history"), list) else []
+    out["plan_history"] = [*hist, {"at": _now(), "why": why.strip(), "old": old, "new": new}]
+    out["plan"] = new
+    return out

@@ -1,0 +1,145 @@
+"""Pre-registered claims: the study file's [claims] are hashed into study.json before the first cell trains;
+a change after results is refused without `qklab study amend`, which keeps both plans, the reason and the
+time; the report reads registered claims as confirmatory (amended ones under both plans) and the others as
+exploratory."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from qklab.cli import main
+from qklab.config import ConfigError
+from qklab.report.claims import claims_table
+from qklab.study.plan import CATALOGUE, amend, check_plan, parse_plan, plan_hash, registered_plan, stored_plan
+from qklab.study.result import read_result
+
+SETS = {"train.steps": 4, "train.lr": 1e-2, "train.eval_every": 2, "train.ckpt_every": 2, "train.diag_every": 0,
+        "data.max_files": 20}
+
+
+def _file(tmp_path, claims: str) -> str:
+    f = tmp_path / "p.toml"
+    sets = "".join(f'"{k}" = {json.dumps(v)}\n' for k, v in {**SETS, "data.cache_dir": str(tmp_path / "cache")}.items())
+    f.write_text(f'[study]\nname = "p"\nconfig = "tiny"\nseeds = [0]\n[study.set]\n{sets}'
+                 f'[variants.none]\n"qk.method" = "none"\n[variants.qkmap]\n"qk.method" = "qkmap"\n{claims}')
+    return str(f)
+
+
+PLAN_A = '[claims]\nalpha = 0.05\n[claims."qkmap.val_vs_none"]\nfamily = "QK-MAP"\n'
+PLAN_B = '[claims]\nalpha = 0.01\n[claims."qkmap.val_vs_none"]\nfamily = "QK-MAP"\n'
+
+
+def _run(tmp_path, f) -> int:
+    return main(["study", "run", f, "--out", str(tmp_path / "o"), "--workers", "0", "--no-report"])
+
+
+def test_parse_fills_every_parameter_and_hashes_them():
+    plan = parse_plan({"alpha": 0.01, "delta": 0.2, "qkmap.val_vs_none": {}, "quack.stable_mha": {"stable": "entropy"},
+                       "quack.competitive_qknorm": {"margin": 0.1}})
+    assert plan["qkmap.val_vs_none"] == {"alpha": 0.01, "test": "sign-flip", "family": "QK-MAP", "rate": "tuned",
+                                         "margin": 0.0, "pairing": "best"}
+    assert plan["quack.stable_mha"] == {"test": "grid", "stable": "entropy", "delta": 0.2, "family": "QuacK"}
+    assert plan["quack.competitive_qknorm"]["margin"] == 0.1
+    want = hashlib.sha256(json.dumps(plan, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    assert plan_hash(plan) == want
+    assert plan_hash(parse_plan({"alpha": 0.01, "delta": 0.2, "qkmap.val_vs_none": {},
+                                 "quack.stable_mha": {"stable": "entropy"},
+                                 "quack.competitive_qknorm": {"margin": 0.2}})) != want
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({"qkmap.nothing": {}}, "no such claim"),
+    ({"qkmap.val_vs_none": {"delta": 1}}, "unknown key"),
+    ({"qkmap.val_vs_none": {"alpha": 2}}, "between 0 and 1"),
+    ({"qkmap.val_vs_none": {"test": "t"}}, "sign-flip"),
+    ({"quack.logits_mha": {"rate": "fast"}}, "highest-shared-stable"),
+    ({"colour": "red", "qkmap.val_vs_none": {}}, "unknown key"),
+    ({"alpha": 0.05}, "registers no claim"),
+])
+def test_a_bad_plan_is_one_clear_line(raw, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        parse_plan(raw)
+    assert "\n" not in str(e.value)
+
+
+def test_plan_change_after_results_is_refused_until_amended(tmp_path, capsys):
+    f = _file(tmp_path, PLAN_A)
+    assert _run(tmp_path, f) == 0
+    sj = read_result(tmp_path / "o" / "results" / "study.json")
+    plan_a = parse_plan({"alpha": 0.05, "qkmap.val_vs_none": {"family": "QK-MAP"}})
+    assert sj["plan"]["sha256"] == plan_hash(plan_a) and stored_plan(sj) == plan_a
+    assert sj["plan"]["claims"]["qkmap.val_vs_none"]["claim"] == CATALOGUE["qkmap.val_vs_none"][2]
+    before = (tmp_path / "o" / "results" / "study.json").read_bytes()
+    assert _run(tmp_path, f) == 0  # the same plan: study.json stays byte for byte
+    assert (tmp_path / "o" / "results" / "study.json").read_bytes() == before
+
+    f = _file(tmp_path, PLAN_B)  # alpha moved after results are in
+    capsys.readouterr()
+    assert _run(tmp_path, f) == 2
+    err = capsys.readouterr().err.strip()
+    assert "changes its registered claims after 2 cell(s)" in err and "qklab study amend" in err and "\n" not in err
+    assert (tmp_path / "o" / "results" / "study.json").read_bytes() == before
+    # amend needs a reason, then records both plans
+    assert main(["study", "amend", f, "--out", str(tmp_path / "o")]) == 2
+    assert main(["study", "amend", f, "--out", str(tmp_path / "o"), "--why", "a stricter level"]) == 0
+    sj = read_result(tmp_path / "o" / "results" / "study.json")
+    (entry,) = sj["plan_history"]
+    assert entry["why"] == "a stricter level" and entry["old"]["sha256"] == plan_hash(plan_a)
+    assert entry["new"]["sha256"] == sj["plan"]["sha256"] != plan_hash(plan_a)
+    assert registered_plan(sj) == plan_a and stored_plan(sj)["qkmap.val_vs_none"]["alpha"] == 0.01
+    assert _run(tmp_path, f) == 0  # the amended plan is the study's now
+    assert main(["study", "amend", f, "--out", str(tmp_path / "o"), "--why", "again"]) == 2  # nothing to amend
+
+
+def test_before_any_result_the_plan_may_change_freely(tmp_path):
+    res = tmp_path / "r"
+    res.mkdir()
+    sj = {"name": "p", "plan": {"sha256": "x", "claims": {}}}
+    assert check_plan(sj, parse_plan({"qkmap.val_vs_none": {}}), 0) == "register"
+    with pytest.raises(ConfigError, match="registers claims after 3"):
+        check_plan({"name": "p"}, parse_plan({"qkmap.val_vs_none": {}}), 3)
+    with pytest.raises(ConfigError, match="--why"):
+        amend({"name": "p"}, parse_plan({"qkmap.val_vs_none": {}}), " ")
+
+
+def _groups(study: str, diffs: list[float]) -> list[dict]:
+    """Planted analysis groups of qkmap and none in one study: report losses differing by ``diffs``."""
+    def group(variant, method, losses):
+        at = {k: {} for k in ("report_loss", "train_loss", "max_logit", "first_token")}
+        at["report_loss"] = dict(enumerate(losses))
+        sweep = {1.0: {"select": {"mean": 4.0}, "n": len(losses), "diverged": 0, "failed": 0}}
+        cells = {1.0: [{"seed": s, "cell": f"{variant}_s{s}", "path": f"/r/{variant}_s{s}/result.json"}
+                       for s in range(len(losses))]}
+        return {"study": study, "variant": variant, "point": "", "attention": "mha", "method": method,
+                "controller": "none", "chosen": 1.0, "sweep": sweep, "cells": cells, "at_chosen": at,
+                "probe_by_seed": {}, "highest_stable": 1.0, "qk_options": {}}
+    return [group("qkmap", "qkmap", [4.0 + d for d in diffs]), group("none", "none", [4.0] * len(diffs))]
+
+
+def test_report_reads_registered_claims_as_confirmatory_and_the_rest_as_exploratory():
+    groups = _groups("p", [-0.3, -0.25, -0.35, -0.3, -0.28, -0.32])
+    plan = {"qkmap.val_vs_none": parse_plan({"qkmap.val_vs_none": {}})["qkmap.val_vs_none"]}
+    studies = {"p": {"name": "p", "plan": {"claims": plan}}}
+    rows = {r["id"]: r for r in claims_table(groups, studies)}
+    r = rows["qkmap.val_vs_none"]
+    assert r["status"] == "confirmatory" and r["verdict"] == "agree"  # 6 seeds, all below: p = 2/64, alone
+    assert r["p_holm"] == pytest.approx(2 / 64)
+    assert sorted(r["cells"]) == sorted(f"/r/{v}_s{s}/result.json" for v in ("qkmap", "none") for s in range(6))
+    e = rows["qkmap.train_vs_none"]
+    assert e["status"] == "exploratory" and e["verdict"] == "exploratory"
+    assert not {"agree", "disagree", "inconclusive"} & set(e["reason"].split())
+    # with nothing registered every claim is exploratory
+    assert {r["verdict"] for r in claims_table(groups, {"p": {"name": "p"}})} == {"exploratory"}
+
+
+def test_amended_plan_is_marked_with_both_verdicts():
+    groups = _groups("p", [-0.3, -0.25, -0.35, -0.3, -0.28, -0.32])
+    a = parse_plan({"qkmap.val_vs_none": {}})
+    b = parse_plan({"alpha": 0.01, "qkmap.val_vs_none": {}})  # 2/64 = 0.031 is not below 0.01
+    sj = amend({"name": "p", "plan": {"claims": a}}, b, "stricter")
+    r = {r["id"]: r for r in claims_table(groups, {"p": sj})}["qkmap.val_vs_none"]
+    assert r["amended"] and r["verdict_registered"] == "agree"
+    assert r["verdict"] == "underpowered"  # alpha 0.01 needs 8 seeds (2/2^n < 0.01)
