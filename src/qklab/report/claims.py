@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from qklab.study.analyze import highest_within
+from qklab.study.analyze import best_select, highest_within
 from qklab.study.plan import CATALOGUE, defaults, registered_plan, stored_plan
 from qklab.study.stats import benjamini_hochberg, difference_stats, fmt_ci, holm, min_seeds, paired_difference
 
@@ -166,7 +166,8 @@ def _stable_rate(a: tuple, b: tuple) -> Callable:
     """Claim: a tolerates a higher base rate than b: the highest rate that holds, each method at its best
     option (e.g. QuacK's best tau, QK-clip's best threshold) within one study and grid point. A rate holds
     by the registered rule: "entropy", no seed diverged (its final loss below the unigram entropy);
-    "delta", besides, the mean selection loss within delta nats of the variant's own best rate."""
+    "delta", besides, the mean selection loss within delta nats of the variant's own best rate; "near-best",
+    within delta nats of the best variant of that study, grid point and attention type."""
     def test(groups, p):
         v, meas, why, used = _stable(groups, p)
         return v, meas, why, None, used
@@ -174,8 +175,17 @@ def _stable_rate(a: tuple, b: tuple) -> Callable:
     def _stable(groups, p):
         rule, delta = p.get("stable", "entropy"), p.get("delta", 0.1)
 
+        top: dict[tuple, float] = {}  # (study, point) -> the best variant's selection loss (this attention)
+        for g in groups:
+            if g["attention"] == a[0] and math.isfinite(x := best_select(g)):
+                top[(g["study"], g["point"])] = min(top.get((g["study"], g["point"]), math.inf), x)
+
         def holds(g):
-            return g["highest_stable"] if rule == "entropy" else highest_within(g, delta)
+            if rule == "entropy":
+                return g["highest_stable"]
+            if rule == "near-best":
+                return highest_within(g, delta, top.get((g["study"], g["point"])))
+            return highest_within(g, delta)
 
         pairs, why = _places(groups, a, b)
         if not pairs:
@@ -196,6 +206,7 @@ def _stable_rate(a: tuple, b: tuple) -> Callable:
         tops = {max(g["sweep"]) for g in xs + ys}
         rx, ry = (f"x{h:g}" if h is not None else "none" for h in (hx, hy))
         how = ("with no diverged seed" if rule == "entropy"
+               else f"within {delta:g} nats of the best method there, no seed diverged" if rule == "near-best"
                else f"within {delta:g} nats of its own best, no seed diverged")
         meas = f"highest rate {how}: {x['variant']} {rx}, {y['variant']} {ry} (grid up to x{max(tops):g})"
         if hx is None or hy is None:
@@ -358,6 +369,8 @@ MEASURE: dict[str, Callable] = {
     "qkmap.train_vs_none": _less(QKMAP, STD, "train_loss", "train loss"),
     "qkmap.train_vs_qknorm": _less(QKMAP, QKN, "train_loss", "train loss"),
     "qkmap.first_token": _less(QKMAP, STD, "first_token", "first-token attention"),
+    "qkmap.val_vs_quest": _less(QKMAP, (MHA, "quest", "none"), "report_loss", "report loss"),
+    "qkmap.first_token_vs_gate": _less(QKMAP, (MHA, "none+gate-head", "none"), "first_token", "first-token attention"),
     "qkmap.input_scale": _probe_claim("magnitude_js_a4", QKMAP, QKN, higher=True),
     "qkmap.evidence": _probe_claim("log_contrast", QKMAP, STD, higher=True),
     "quack.stable_mha": _stable_rate(QUACK, STD),
@@ -401,8 +414,9 @@ def _scope(kind: str, p: dict) -> tuple[str, str]:
                 "tuned" else "The paired ratio of the final max attention logit, each at its tuned rate.",
                 f"It does not show whether the smaller logits change the loss, or {scale}.")
     if kind == "stable":
-        rule = (f"its mean selection loss within {p.get('delta', 0.1):g} nats of its own best" if p.get("stable") ==
-                "delta" else "no seed ending above the unigram entropy")
+        rule = {"delta": f"its mean selection loss within {p.get('delta', 0.1):g} nats of its own best",
+                "near-best": f"its mean selection loss within {p.get('delta', 0.1):g} nats of the best method's"
+                }.get(p.get("stable"), "no seed ending above the unigram entropy")
         return (f"The highest rate of the grid that holds ({rule}).",
                 "It is a grid reading, not a test over seeds; it does not show stability beyond the grid.")
     if kind == "width":

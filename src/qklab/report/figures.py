@@ -145,6 +145,19 @@ def _nanmean(xs: list) -> float:
 # drawing
 
 
+# One colour per method across every panel and figure: the legend names of the whole report, sorted, take
+# the palette in turn (tab10, then Dark2; it repeats after 18 names).
+PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+           "#17becf", "#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#666666"]
+
+
+def colours(data: dict[str, Any]) -> dict[str, str]:
+    """Legend name (variant_name) -> colour, for every name in any panel of any figure of ``data``."""
+    names = sorted({label for fig in data.values() if isinstance(fig, dict)
+                    for panel in fig.values() if isinstance(panel, dict) for label in panel})
+    return {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(names)}
+
+
 def _plt():
     import matplotlib
 
@@ -154,9 +167,9 @@ def _plt():
     return plt
 
 
-def _figure(series: dict[str, dict], path: Path, panel, sharey: bool = False) -> Path | None:
+def _figure(series: dict[str, dict], path: Path, panel, colour: dict[str, str], sharey: bool = False) -> Path | None:
     """One panel per key of ``series`` (attention type, or study and attention type), two to a row, each
-    drawn by ``panel(ax, key, its series)``."""
+    drawn by ``panel(ax, key, its series, colour)``."""
     if not any(series.values()):
         return None
     plt = _plt()
@@ -167,7 +180,7 @@ def _figure(series: dict[str, dict], path: Path, panel, sharey: bool = False) ->
     for ax in axes.flat[len(keys):]:
         ax.set_visible(False)
     for ax, key in zip(axes.flat, keys, strict=False):
-        panel(ax, key, series[key])
+        panel(ax, key, series[key], colour)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
@@ -180,14 +193,15 @@ def _figure(series: dict[str, dict], path: Path, panel, sharey: bool = False) ->
 def _curves(title: str, ylabel: str, log_y: bool = False, heads: bool = False):
     """Per variant a line and its band: over seeds (mean, min-max), or with ``heads`` over a run's heads
     (median, lowest to highest head)."""
-    def panel(ax, att, series):
+    def panel(ax, att, series, colour):
         for label, s in series.items():
             if not s["step"]:
                 continue
-            (line,) = ax.plot(s["step"], s["mean"], label=f"{label} (seed {s['seed']})" if heads else
-                              f"{label} (n={s['n']})")
+            c = colour[label]
+            ax.plot(s["step"], s["mean"], color=c, gid=label,
+                    label=f"{label} (seed {s['seed']})" if heads else f"{label} (n={s['n']})")
             if heads or s["n"] > 1:
-                ax.fill_between(s["step"], s["lo"], s["hi"], color=line.get_color(), alpha=0.15 if heads else 0.2)
+                ax.fill_between(s["step"], s["lo"], s["hi"], color=c, alpha=0.15 if heads else 0.2, gid=label)
         ax.set_title(f"{title}: {_panel_title(att)}", fontsize=9 if heads else None)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
@@ -198,8 +212,8 @@ def _curves(title: str, ylabel: str, log_y: bool = False, heads: bool = False):
 
 def _by_rate(title: str, ylabel: str, log_y: bool = False):
     """A panel of a final value against the learning rate (mean +- std over seeds; x: a seed diverged)."""
-    def panel(ax, att, series) -> None:
-        _rate_lines(ax, series)
+    def panel(ax, att, series, colour) -> None:
+        _rate_lines(ax, series, colour)
         ax.set_title(f"{title}: {_panel_title(att)} (x: a seed diverged)", fontsize=9)
         ax.set_ylabel(ylabel)
         if log_y and _any_positive(series, "mean"):
@@ -212,41 +226,43 @@ def _any_positive(series, key: str) -> bool:
     return any(np.any(np.nan_to_num(np.array(s[key], dtype=float), nan=0.0, posinf=0.0) > 0) for s in series.values())
 
 
-def _rate_lines(ax, series) -> None:
+def _rate_lines(ax, series, colour) -> None:
     for label, s in series.items():
         x = np.array(s["lr"], dtype=float)
         y = np.array(s["mean"], dtype=float)
         e = np.nan_to_num(np.array(s["std"], dtype=float))
-        (line,) = ax.plot(x, y, "o-", label=label)
-        ax.errorbar(x, y, yerr=e, fmt="none", ecolor=line.get_color(), capsize=3)
+        c = colour[label]
+        ax.plot(x, y, "o-", label=label, color=c, gid=label)
+        ax.errorbar(x, y, yerr=e, fmt="none", color=c, ecolor=c, capsize=3, gid=label)
         bad = [xi for xi, d in zip(x, s["diverged"], strict=True) if d]
         if bad:
             top = np.nanmax(y) if np.isfinite(y).any() else 1.0
-            ax.plot(bad, [top] * len(bad), "x", color=line.get_color(), markersize=10)
+            ax.plot(bad, [top] * len(bad), "x", color=c, markersize=10, gid=label)
     if _any_positive(series, "lr"):
         ax.set_xscale("log")
     ax.set_xlabel("learning rate")
 
 
-def _first_token(ax, att, series) -> None:
+def _first_token(ax, att, series, colour) -> None:
     labels = list(series)
     means = [series[k]["mean"] for k in labels]
     errs = [0.0 if not math.isfinite(series[k]["std"]) else series[k]["std"] for k in labels]
-    bars = ax.bar(range(len(labels)), means, yerr=errs, capsize=3, color="tab:blue")
-    for b, m in zip(bars, means, strict=True):
+    bars = ax.bar(range(len(labels)), means, yerr=errs, capsize=3, color=[colour[k] for k in labels])
+    for b, m, k in zip(bars, means, labels, strict=True):
+        b.set_gid(k)
         if math.isfinite(m):
             ax.text(b.get_x() + b.get_width() / 2, m, f"{m:.3f}", ha="center", va="bottom", fontsize=7)
     uni = next((s["uniform"] for s in series.values() if math.isfinite(s["uniform"])), float("nan"))
     if math.isfinite(uni):
         ax.axhline(uni, color="k", ls="--", lw=1, label=f"uniform attention ({uni:.3f})")
-    ax.axhline(0.3, color="tab:red", ls=":", lw=1, label="sink threshold 0.3")
+    ax.axhline(0.3, color="0.4", ls=":", lw=1, label="sink threshold 0.3")
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
     ax.set_title(f"first-token attention at the end: {_panel_title(att)}")
     ax.set_ylim(0, 1.1 * max([0.35, *(m for m in means if math.isfinite(m))]))
 
 
-def _probes(series: dict[str, dict], path: Path) -> Path | None:
+def _probes(series: dict[str, dict], path: Path, colour: dict[str, str]) -> Path | None:
     """Per attention type: retrieval log-contrast and evidence mass against context length (hollow
     markers: longer than the training length), and the attention change against input scale."""
     if not any(series.values()):
@@ -257,21 +273,21 @@ def _probes(series: dict[str, dict], path: Path) -> Path | None:
     for row, att in zip(axes, atts, strict=True):
         uniform = None
         for label, s in series[att].items():
-            rt, mg = s["retrieval"], s["magnitude"]
+            rt, mg, c = s["retrieval"], s["magnitude"], colour[label]
             if rt["length"]:
-                (line,) = row[0].plot(rt["length"], rt["log_contrast"], "-", label=f"{label} (n={s['n']})")
+                row[0].plot(rt["length"], rt["log_contrast"], "-", color=c, gid=label, label=f"{label} (n={s['n']})")
                 for ax, key in ((row[0], "log_contrast"), (row[1], "mass")):
                     if s["n"] > 1:  # band: lowest to highest seed
-                        ax.fill_between(rt["length"], rt[f"{key}_lo"], rt[f"{key}_hi"], color=line.get_color(),
-                                        alpha=0.12, lw=0)
+                        ax.fill_between(rt["length"], rt[f"{key}_lo"], rt[f"{key}_hi"], color=c, alpha=0.12, lw=0,
+                                        gid=label)
                     for n, y, ext in zip(rt["length"], rt[key], rt["extrapolation"], strict=True):
-                        ax.plot([n], [y], "o", color=line.get_color(), mfc="none" if ext else line.get_color())
-                row[1].plot(rt["length"], rt["mass"], "-", color=line.get_color(), label=label)
+                        ax.plot([n], [y], "o", color=c, mfc="none" if ext else c, gid=label)
+                row[1].plot(rt["length"], rt["mass"], "-", color=c, label=label, gid=label)
                 uniform = (rt["length"], rt["uniform_mass"])
             if mg["scale"]:
-                (line,) = row[2].plot(mg["scale"], mg["js"], "o-", label=label)
+                row[2].plot(mg["scale"], mg["js"], "o-", color=c, label=label, gid=label)
                 if s["n"] > 1:
-                    row[2].fill_between(mg["scale"], mg["js_lo"], mg["js_hi"], color=line.get_color(), alpha=0.12, lw=0)
+                    row[2].fill_between(mg["scale"], mg["js_lo"], mg["js_hi"], color=c, alpha=0.12, lw=0, gid=label)
         if uniform is not None:
             row[1].plot(*uniform, "k:", lw=1, label="uniform attention")
         for ax, title, ylab in ((row[0], "retrieval log-contrast (evidence vs control)", "log ratio"),
@@ -295,28 +311,31 @@ def _probes(series: dict[str, dict], path: Path) -> Path | None:
 
 
 def draw(data: dict[str, Any], out: Path) -> dict[str, Path]:
-    """Draw every figure that has data; returns name -> PNG path."""
+    """Draw every figure that has data, each method in its colour (``colours(data)``) in every panel;
+    returns name -> PNG path."""
     out.mkdir(parents=True, exist_ok=True)
+    c = colours(data)
     figs = {
         "val_curves": _figure(data["val_curves"], out / "val_curves.png",
-                              _curves("selection-split loss", "loss (nats)")),
+                              _curves("selection-split loss", "loss (nats)"), c),
         "lr_sensitivity": _figure(data["lr_sensitivity"], out / "lr_sensitivity.png",
-                                  _by_rate("learning-rate sensitivity", "final selection-split loss")),
+                                  _by_rate("learning-rate sensitivity", "final selection-split loss"), c),
         "logit_by_rate": _figure(data["logit_by_rate"], out / "logit_by_rate.png",
-                                 _by_rate("final max attention logit", "max logit", log_y=True)),
-        "max_logit": _figure(data["max_logit"], out / "max_logit.png", _curves("max attention logit", "max logit",
-                                                                                True)),
+                                 _by_rate("final max attention logit", "max logit", log_y=True), c),
+        "max_logit": _figure(data["max_logit"], out / "max_logit.png",
+                             _curves("max attention logit", "max logit", True), c),
         "logit_change": _figure(data["logit_change"], out / "logit_change.png",
-                                _curves("logit change per step", "mean |d logit| / step", True)),
-        "first_token": _figure(data["first_token"], out / "first_token.png", _first_token, sharey=True),
-        "probes": _probes(data["probes"], out / "probes.png"),
+                                _curves("logit change per step", "mean |d logit| / step", True), c),
+        "first_token": _figure(data["first_token"], out / "first_token.png", _first_token, c, sharey=True),
+        "probes": _probes(data["probes"], out / "probes.png", c),
         "head_max_logit": _figure(data["head_max_logit"], out / "head_max_logit.png",
                                   _curves("max logit per head (median, band: lowest to highest head)", "max logit",
-                                          True, heads=True)),
+                                          True, heads=True), c),
         "head_w_norms": _figure(data["head_w_norms"], out / "head_w_norms.png",
                                 _curves("||W_Q,h|| ||W_K,h|| per head (median, band over heads)", "norm product",
-                                        True, heads=True)),
+                                        True, heads=True), c),
         "quack_factors": _figure(data["quack_factors"], out / "quack_factors.png",
-                                 _curves("QuacK learning-rate factor per head and matrix", "factor", True, heads=True)),
+                                 _curves("QuacK learning-rate factor per head and matrix", "factor", True, heads=True),
+                                 c),
     }
     return {k: v for k, v in figs.items() if v is not None}

@@ -1,23 +1,66 @@
-"""``qklab report DIR...``: read result files (never train), write report.md, report.html (figures
-embedded, self-contained), report.json (the data behind every figure and table) and the PNGs."""
+"""``qklab report DIR...``: read result files (never train), write report.md, report.html (the same Markdown
+rendered, figures embedded, self-contained), report.json (the data behind every figure and table) and the
+PNGs. Every number of the results and claims tables links to the result.json files it came from."""
 
 from __future__ import annotations
 
-import base64
-import html
 import math
+import os
 from collections import Counter
 from pathlib import Path
+from urllib.parse import quote
 
 from qklab.errors import ReportError
 from qklab.report.claims import VERDICT_RULE, claims_table
-from qklab.report.figures import draw, figure_data, variant_name
+from qklab.report.figures import colours, draw, figure_data, variant_name
+from qklab.report.html import page
 from qklab.report.probes import probes_tables
-from qklab.study.analyze import analyze, load_results
+from qklab.study.analyze import DELTA, analyze, best_select, highest_within, load_results
+from qklab.study.plan import stored_plan
 from qklab.study.result import DIVERGENCE_RULE, write_json_atomic
 from qklab.study.stats import fmt_ci, fmt_mean_std
 
 Table = tuple[list[str], list[list[str]]]
+Links = list[dict[int, str | None]]  # per table row: column -> the link target of its number
+
+
+class Cells:
+    """Where the report's numbers came from. A number from one cell links to its result.json (a path
+    relative to the report's folder); a number from several links to their list in the report's last
+    section (``section``), one entry per set of cells."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.sets: dict[tuple[str, ...], tuple[str, str]] = {}  # paths -> (anchor, what they are)
+
+    def rel(self, path: str) -> str:
+        return quote(os.path.relpath(os.path.abspath(path), os.path.abspath(self.out)).replace(os.sep, "/"))
+
+    def link(self, paths: list[str], what: str) -> str | None:
+        paths = tuple(dict.fromkeys(str(p) for p in paths if p))
+        if len(paths) < 2:
+            return self.rel(paths[0]) if paths else None
+        if paths not in self.sets:
+            self.sets[paths] = (f"cells-{len(self.sets) + 1}", what)
+        return "#" + self.sets[paths][0]
+
+    def section(self) -> list[str]:
+        return [f'- <a id="{anchor}"></a>{_md_text(what)}: '
+                + ", ".join(f"[{_md_text(Path(p).parent.name)}]({self.rel(p)})" for p in paths)
+                for paths, (anchor, what) in self.sets.items()]
+
+
+def _md_text(s: str) -> str:
+    """Text that Markdown shows as it is (never read as a link, code, emphasis or HTML)."""
+    return "".join("\\" + ch if ch in "\\[]`*<" else ch for ch in s)
+
+
+def _paths(g: dict | None, mult: float | None = None) -> list[str]:
+    """The result.json paths of a group's cells (analysis ``g["cells"]``) at one rate multiple, or at every
+    rate (None), by rate and seed."""
+    cells = (g or {}).get("cells") or {}
+    ms = sorted(cells) if mult is None else [mult] if mult in cells else []
+    return [c["path"] for m in ms for c in sorted(cells[m], key=lambda c: c["seed"])]
 
 
 def results_table(groups: list[dict]) -> Table:
@@ -42,6 +85,27 @@ def results_table(groups: list[dict]) -> Table:
             fmt_mean_std(st["max_logit"], 1), fmt_mean_std(st["first_token"]),
             f"{div}/{g['n_cells']}", f"{len(g['failed'])}/{g['n_cells']}"])
     return head, rows
+
+
+def results_links(groups: list[dict], cells: Cells) -> Links:
+    """The results table's numbers: those at the chosen rate from its cells, the paired ones from those
+    and the reference's, the diverged and failed counts from every cell of the variant."""
+    by_key = {(g["study"], g["point"], g["variant"]): g for g in groups}
+    out = []
+    for g in groups:
+        name, ch = f"{variant_name(g)} ({g['study']})", g["chosen"]
+        if ch is None:
+            at = paired = None
+        else:
+            at = cells.link(_paths(g, ch), f"{name} at its chosen rate x{ch:g}")
+            ref = by_key.get((g["study"], g["point"], g.get("reference")))
+            paired_ok = ref is not None and ref is not g and ref["chosen"] is not None
+            both = _paths(g, ch) + (_paths(ref, ref["chosen"]) if paired_ok else [])
+            paired = cells.link(both, f"{name} and its reference {g.get('reference')}, each at its chosen rate")
+        every = cells.link(_paths(g), f"{name} at every rate")
+        out.append({**dict.fromkeys((4, 5, 6, 7, 8, 13, 14), at), **dict.fromkeys((9, 10, 11, 12), paired),
+                    15: every, 16: every})
+    return out
 
 
 def sensitivity_table(groups: list[dict]) -> Table:
@@ -88,6 +152,37 @@ def stability_table(groups: list[dict]) -> Table:
                          f"{uni - sel['mean']:.3f}" if sel["n"] else "-", _late(s),
                          f"{ml['mean']:.1f}" if ml["n"] else "-", str(s.get("spikes", 0)),
                          f"{s['diverged']}/{s['n']}", f"{s['failed']}/{s['n']}"])
+    return head, rows
+
+
+def _delta(study: dict | None) -> float:
+    """The delta a study registered for its stability claims (``[claims] delta``), else analyze's default."""
+    plan = stored_plan(study) or {}
+    return next((p["delta"] for p in plan.values() if "delta" in p), DELTA)
+
+
+def stable_rates_table(groups: list[dict], studies: dict[str, dict]) -> Table:
+    """Each variant's highest rate that holds, by both rules: the entropy rule (no seed diverged, i.e. ended
+    above the unigram entropy) and the delta rule (besides, its mean selection loss within delta nats of its
+    own best rate), and the highest rate at which it is within delta of the best variant at its place
+    (study, grid point, attention type). Delta: the study's registered one, else the default."""
+    head = ["variant", "attn", "study", "delta (nats)", "best selection loss", "highest stable: entropy rule",
+            "highest stable: delta rule", "highest within delta of the best variant"]
+    best: dict[tuple, float] = {}
+    for g in groups:
+        k, b = (g["study"], g["point"], g["attention"]), best_select(g)
+        if math.isfinite(b):
+            best[k] = min(best.get(k, math.inf), b)
+    rows = []
+    for g in groups:
+        d, b = _delta(studies.get(g["study"])), best.get((g["study"], g["point"], g["attention"]))
+
+        def rate(m, g=g):
+            return f"{g['sweep'][m]['lr']:.3g} (x{m:g})" if m is not None else "none"
+        own = best_select(g)
+        rows.append([variant_name(g), g["attention"], g["study"], f"{d:g}", f"{own:.3f}" if math.isfinite(own) else "-",
+                     rate(g["highest_stable"]), rate(highest_within(g, d)),
+                     rate(highest_within(g, d, b)) if b is not None else "none"])
     return head, rows
 
 
@@ -139,10 +234,24 @@ def _g(x: float, digits: int = 3) -> str:
     return f"{x:.{digits}g}" if x is not None and math.isfinite(x) else "-"
 
 
-def claims_rows(groups: list[dict]) -> Table:
+def _verdict(r: dict) -> str:
+    """The verdict column: the verdict in bold; an exploratory claim's reads 'exploratory' alone."""
+    return "exploratory" if "exploratory" in (r.get("status"), r["verdict"]) else f"**{r['verdict']}**"
+
+
+def _reason(r: dict) -> str:
+    """The reason; for an amended plan, also the verdict and reason under the registered one."""
+    if not r.get("amended"):
+        return r["reason"]
+    why = f" ({r['reason_registered']})" if r.get("reason_registered") else ""
+    return f"{r['reason']} (amended plan); under the registered plan: {r.get('verdict_registered') or '-'}{why}"
+
+
+def claims_rows(groups: list[dict], rows: list[dict] | None = None, studies: dict | None = None) -> Table:
     """The claims table: the verdict by claims.VERDICT_RULE, the old rule's, and each paired claim's
-    statistics (its family is its paper)."""
-    rows = claims_table(groups)
+    statistics (its family is its paper). ``rows``: claims_table(groups, studies), if already made; the
+    report passes the studies (their registered plans), as write_report does."""
+    rows = claims_table(groups, studies) if rows is None else rows
     head = ["paper", "claim", "measurement", "measured here", "verdict", "reason", "verdict (old rule)", "n", "df",
             "mean difference", "95% t-interval", "bootstrap 95%", "effect (mean/sd)", "p (t)", "p (sign-flip)",
             "p Holm (sign-flip)", "q BH (sign-flip)"]
@@ -153,27 +262,63 @@ def claims_rows(groups: list[dict]) -> Table:
                 [str(st["n"]), str(st["df"]), f"{st['mean']:+.3f}", fmt_ci(st["ci_lo"], st["ci_hi"]),
                  fmt_ci(st["boot_lo"], st["boot_hi"]), _g(st["effect"]), _g(st["p"]), _g(st["p_flip"]),
                  _g(r["p_holm"]), _g(r["q_bh"])])
-        body.append([r["paper"], r["claim"], r["measurement"], r["measured"], f"**{r['verdict']}**", r["reason"],
+        body.append([r["paper"], r["claim"], r["measurement"], r["measured"], _verdict(r), _reason(r),
                      r["verdict_old"], *cols])
     return head, body
 
 
-def md_table(t: Table) -> str:
+def claims_links(rows: list[dict], cells: Cells) -> Links:
+    """Every number of a claim's row (what it measured, its statistics) from the claim's cells."""
+    return [dict.fromkeys((3, *range(7, 17)), cells.link(r.get("cells") or [], f"{r['paper']}: {r['claim']}"))
+            for r in rows]
+
+
+def _sentence(s: str) -> str:
+    s = s.strip().rstrip(".")
+    return s[:1].upper() + s[1:] + "." if s else ""
+
+
+def answers(rows: list[dict], cells: Cells) -> list[str]:
+    """The opening section: one short answer per registered question (a confirmatory claim): its verdict
+    (both, when the plan was amended), interval and n, what it shows and what it does not."""
+    conf = [r for r in rows if r.get("status") == "confirmatory"]
+    if not conf:
+        return ["No claim of these results is marked confirmatory (a registered question); the claims table "
+                "lists every claim."]
+    lines = ["One answer per registered question (a confirmatory claim), by the verdict rule of the claims "
+             "table; the exploratory claims are in that table only.", ""]
+    for r in conf:
+        verdict = f"**{r['verdict']}**"
+        if r.get("amended"):
+            verdict += f" under the amended plan; **{r.get('verdict_registered') or '-'}** under the registered plan"
+        st = r["stats"]
+        if st and st.get("log_ratio"):
+            num = (f"ratio {10 ** st['mean']:.3g}, 95% CI [{10 ** st['ci_lo']:.3g}, {10 ** st['ci_hi']:.3g}], "
+                   f"n={st['n']}")
+        elif st:
+            num = f"mean difference {st['mean']:+.3f}, 95% CI {fmt_ci(st['ci_lo'], st['ci_hi'])}, n={st['n']}"
+        else:
+            num = f"measured: {r['measured']}" if r["measured"] != "-" else "nothing measured"
+        to = cells.link(r.get("cells") or [], f"{r['paper']}: {r['claim']}")
+        num = f"[{_md_text(num)}]({to})" if to and (st or r["measured"] != "-") else _md_text(num)
+        shows = r.get("shows") or f"{r['measurement']}: {r['reason']}"
+        limits = r.get("not_shows") or f"it does not show the claim beyond this measurement ({r['measurement']})"
+        ident = f" ({_md_text(r['id'])})" if r.get("id") else ""
+        lines.append(f"- **{_md_text(r['paper'] + ': ' + r['claim'])}**{ident}: {verdict}; {num}. "
+                     f"*Shows:* {_md_text(_sentence(shows))} *Limits:* {_md_text(_sentence(limits))}")
+    return lines
+
+
+def md_table(t: Table, links: Links | None = None) -> str:
+    """A Markdown table; with ``links``, a cell that holds a number links to where it came from."""
     head, rows = t
-    esc = [[c.replace("|", "\\|") for c in r] for r in rows]
+
+    def cell(c: str, to: str | None) -> str:
+        c = f"[{_md_text(c)}]({to})" if to and any(ch.isdigit() for ch in c) else c
+        return c.replace("|", "\\|")
+    body = [[cell(c, links[i].get(j) if links else None) for j, c in enumerate(r)] for i, r in enumerate(rows)]
     return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
-                      *("| " + " | ".join(r) + " |" for r in esc)]) + "\n"
-
-
-def html_table(t: Table) -> str:
-    head, rows = t
-
-    def cell(c: str) -> str:
-        c = html.escape(c)
-        return f"<b>{c[2:-2]}</b>" if c.startswith("**") and c.endswith("**") else c
-    return ("<table><thead><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr></thead><tbody>"
-            + "".join("<tr>" + "".join(f"<td>{cell(c)}</td>" for c in r) + "</tr>" for r in rows)
-            + "</tbody></table>")
+                      *("| " + " | ".join(r) + " |" for r in body)]) + "\n"
 
 
 def _progress(name: str, study: dict, results: list[dict]) -> str:
@@ -210,9 +355,10 @@ def _header(analysis: dict, dirs: list[str], results: list[dict]) -> list[str]:
               "from the *report* half, read once at the end. Intervals are 95% t-intervals over seeds; paired "
               "differences compare two variants on the same seeds, each at its own chosen rate (paired t-test "
               "and a percentile bootstrap over seeds; in the claims table also the exact sign-flip test, "
-              "adjusted across each paper's claims).",
+              "adjusted across each paper's claims).", "",
               f"Divergence rule: {DIVERGENCE_RULE}."]
     if shas:
+        lines.append("")
         lines.append("Code (git SHA of the process that finished each cell, with its number of cells): "
                      + ", ".join(f"{sha} ({n})" for sha, n in sorted(shas.items(), key=lambda x: (-x[1], x[0])))
                      + ".")
@@ -247,9 +393,10 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
     names = list(dict.fromkeys(g["study"] for g in groups))  # one grid table per study, in report order
     grids = {f"grid {n}": grid_table([g for g in groups if g["study"] == n]) for n in names}
     probes = probes_tables(groups)
+    claim_rows = claims_table(groups, studies)  # each study's registered plan: confirmatory or not
     tables = {"results": results_table(groups), **grids, **probes, "sensitivity": sensitivity_table(groups),
-              "throughput": throughput_table(groups), "claims": claims_rows(groups),
-              "stability": stability_table(groups),
+              "throughput": throughput_table(groups), "claims": claims_rows(groups, claim_rows),
+              "stability": stability_table(groups), "stable_rates": stable_rates_table(groups, studies),
               "failures": failures_table(groups)}
     header = _header(analysis, [str(d) for d in dirs], results)
     captions = {"val_curves": "Selection-split loss over training at each variant's chosen rate (mean, band: "
@@ -266,8 +413,8 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
                           "evidence contrast and mass against context length, and magnitude sensitivity.",
                 "head_max_logit": "Max logit of each head (all layers) over training, at each variant's chosen "
                                   "rate, lowest seed: median line, band from the lowest to the highest head.",
-                "head_w_norms": "||W_Q,h|| ||W_K,h|| per head over training (a head's logits scale with it), "
-                                "same runs: median and band over heads.",
+                "head_w_norms": "The norm product ‖W_Q,h‖ ‖W_K,h‖ of each head over training (a head's logits "
+                                "scale with it), same runs: median and band over heads.",
                 "quack_factors": "QuacK's per-head learning-rate factors (W_Q and W_K of every layer) over "
                                  "training, same runs: median and band."}
     sections = [("Claims", "claims"), ("Results (report split)", "results"),
@@ -277,36 +424,29 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
                    "reference, paired over seeds, 95% CI)", k) for k in probes),
                 ("Learning-rate sensitivity (selection split)", "sensitivity"),
                 ("Stability by learning rate (selection split, every seed)", "stability"),
+                ("Highest stable rate by both rules, and near the best method", "stable_rates"),
                 ("Throughput", "throughput")]
     if tables["failures"][1]:
         sections.append(("Failed cells", "failures"))
-    md = [f"# {title}", "", *header, ""]
+    cells = Cells(out)
+    links = {"results": results_links(groups, cells), "claims": claims_links(claim_rows, cells)}
+    md = [f"# {title}", "", *header, "", "## Answers", "", *answers(claim_rows, cells), ""]
     intros = {"claims": VERDICT_RULE}
     for name, key in sections:
-        md += [f"## {name}", "", *([intros[key], ""] if key in intros else []), md_table(tables[key])]
+        md += [f"## {name}", "", *([intros[key], ""] if key in intros else []), md_table(tables[key], links.get(key))]
     md += ["## Figures", ""]
     for k, p in figs.items():
         md += [f"![{k}]({p.name})", "", captions[k], ""]
+    if cells.sets:
+        md += ["## Cells behind the numbers", "", "A number of the tables above that came from several cells "
+               "links here, to the result.json of each (a number from one cell links to its file).", "",
+               *cells.section(), ""]
     (out / "report.md").write_text("\n".join(md))
-    body = [f"<h1>{html.escape(title)}</h1>", *(f"<p>{html.escape(x)}</p>" for x in header if x)]
-    for name, key in sections:
-        body += [f"<h2>{html.escape(name)}</h2>",
-                 *([f"<p>{html.escape(intros[key]).replace('**', '')}</p>"] if key in intros else []),
-                 html_table(tables[key])]
-    body.append("<h2>Figures</h2>")
-    for k, p in figs.items():
-        b64 = base64.b64encode(p.read_bytes()).decode()
-        body += [f'<figure><img alt="{k}" src="data:image/png;base64,{b64}"/>'
-                 f"<figcaption>{html.escape(captions[k])}</figcaption></figure>"]
-    style = ("body{font-family:sans-serif;max-width:1400px;margin:2em auto;padding:0 1em}"
-             "table{border-collapse:collapse;font-size:12px;margin:1em 0}td,th{border:1px solid #ccc;"
-             "padding:3px 6px;text-align:left}th{background:#f3f3f3}img{max-width:100%}")
-    (out / "report.html").write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>"
-                                     f"{html.escape(title)}</title><style>{style}</style></head><body>"
-                                     + "\n".join(body) + "</body></html>\n")
+    (out / "report.html").write_text(page("\n".join(md), title, {p.name: p for p in figs.values()}))
     # what the report was built from, so that it can be checked against those files while a study goes on
     made_from = {"sources": [str(d) for d in dirs], "skipped": problems,
                  "cells": sorted(f"{r.get('study', '')}/{r['cell']}" for r in results)}
     write_json_atomic(out / "report.json", {**made_from, "verdict_rule": VERDICT_RULE, "figures": data,
+                                            "colours": colours(data),
                                             "tables": {k: {"head": h, "rows": r} for k, (h, r) in tables.items()}})
     return out

@@ -8,7 +8,9 @@ trains, and amendments made in the open.
     [claims."qkmap.val_vs_none"]      # a claim of the catalogue, by id, with its own keys
     family = "QK-MAP"                 # the family its p-value is corrected within (Holm)
     [claims."quack.stable_mha"]
-    stable = "delta"                  # or "entropy": the final loss below the unigram entropy
+    stable = "near-best"              # "entropy": no seed ends above the unigram entropy; "delta": besides,
+                                      # within delta of the variant's own best; "near-best": within delta of
+                                      # the best variant at that place
 
 A plan is the claims it registers, each with every parameter filled in (the catalogue's defaults, the
 table's, the claim's own): the measurement, the rate rule, the context, the margin, the test, alpha and
@@ -47,7 +49,7 @@ CHOICES = {"test": {"loss": [SIGN_FLIP], "probe": [SIGN_FLIP], "logits": [SIGN_F
            "rate": {"loss": ["tuned"], "probe": ["tuned"], "width": ["tuned"],
                     "logits": ["highest-shared-stable", "tuned"]},
            "pairing": {"loss": ["best", "same-tau"]},
-           "stable": {"stable": ["delta", "entropy"]}}
+           "stable": {"stable": ["delta", "entropy", "near-best"]}}
 
 # id -> (paper, kind, claim, measurement); the report (report/claims.py) measures each id
 CATALOGUE: dict[str, tuple[str, str, str, str]] = {
@@ -61,6 +63,10 @@ CATALOGUE: dict[str, tuple[str, str, str, str]] = {
                               "mean train loss of the last 10% of steps"),
     "qkmap.first_token": ("QK-MAP", "loss", "less attention on the first token than Standard attention",
                           "first-token attention at the last diagnostics step (held-out probe batch)"),
+    "qkmap.val_vs_quest": ("QK-MAP", "loss", "lower validation loss than QUEST (keys on the sphere, queries free)",
+                           "report-split loss, paired over seeds"),
+    "qkmap.first_token_vs_gate": ("QK-MAP", "loss", "less attention on the first token than gated attention",
+                                  "first-token attention at the last diagnostics step (held-out probe batch)"),
     "qkmap.input_scale": ("QK-MAP", "probe", "keeps sensitivity to input scale (unlike QK-Norm)",
                           "probe: attention JS divergence at input scale x4, QK-MAP minus QK-Norm"),
     "qkmap.evidence": ("QK-MAP", "probe", "stronger attention contrast on relevant evidence at long context",
@@ -199,6 +205,25 @@ def registered_plan(study_json: dict[str, Any] | None) -> dict[str, dict[str, An
             if isinstance(rec, dict):  # the earliest plan on record (a first amendment may register one)
                 return stored_plan({"plan": rec})
     return stored_plan(study_json)
+
+
+def family_power(plan: dict[str, dict[str, Any]] | None, n_seeds: int) -> list[str]:
+    """One line per family of registered sign-flip claims that ``n_seeds`` paired seeds cannot resolve: with
+    n seeds the smallest two-sided sign-flip p is 2 / 2^n, and Holm's step-down multiplies the smallest p
+    of a family of m by m, so no outcome is significant unless 2 / 2^n * m < alpha."""
+    fams: dict[str, list[float]] = {}
+    for p in (plan or {}).values():
+        if p.get("test") == SIGN_FLIP:
+            fams.setdefault(p["family"], []).append(p["alpha"])
+    out = []
+    for fam, alphas in fams.items():
+        m, alpha = len(alphas), min(alphas)
+        need = next(n for n in range(1, 64) if 2 / 2 ** n * m < alpha)
+        if n_seeds < need:
+            out.append(f"family {fam}: {m} registered sign-flip claim(s) at alpha {alpha:g} need {need} paired seeds "
+                       f"to be resolvable after Holm's correction; the study has {n_seeds}, so they will read "
+                       "'underpowered' or 'inconclusive' whatever the results")
+    return out
 
 
 def check_plan(study_json: dict[str, Any] | None, plan: dict[str, dict[str, Any]] | None, n_results: int) -> str:

@@ -46,7 +46,7 @@ from tqdm import tqdm
 from qklab.config import ConfigError
 from qklab.rundir.folder import RunLock, RunLockError
 from qklab.study.cell import DONE, publish, run_cell
-from qklab.study.plan import amend, check_plan, registration
+from qklab.study.plan import amend, check_plan, family_power, registration
 from qklab.study.result import (
     cell_header,
     failed_result,
@@ -190,6 +190,8 @@ def _write_study_json(study: Study, results: Path, warn) -> None:
         kept.pop("plan", None)
         if study.plan is not None:
             kept["plan"] = registration(study.plan)
+            for line in family_power(study.plan, len(study.seeds)):
+                warn(f"warning: {line}")
     if data is not None and {k: v for k, v in data.items() if k not in KEPT} == want and action == "same":
         return
     if problem not in (None, "missing") or (problem is None and data is None):
