@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from qklab.errors import DataError
 
+from .english import ENGLISH
+
 PYSTDLIB = "pystdlib"
 HF_PREFIX = "hf:"
 TOKENIZER_KINDS = ("bpe", "bytes")
@@ -24,6 +26,7 @@ class DataConfig:
     """Where the text comes from, how it is tokenized and where caches live.
 
     source: "pystdlib" (the .py files of the running Python's standard library),
+        "english" (the natural-English corpus of ``make corpus``, docs/corpus.md),
         a local file, folder or glob of text files, or "hf:<path or hub name>".
     tokenizer: "bpe" (byte-level BPE trained on the train split) or "bytes".
     vocab_size: BPE only; the requested vocabulary size, 260..65535.
@@ -54,7 +57,7 @@ class DataConfig:
         if self.source.startswith(HF_PREFIX):
             if not self.source[len(HF_PREFIX) :].strip():
                 raise DataError("data.source: 'hf:' needs a dataset after it, e.g. 'hf:data/train.jsonl'")
-        elif self.source != PYSTDLIB and not _local_source_exists(self.source):
+        elif self.source not in (PYSTDLIB, ENGLISH) and not _local_source_exists(self.source):
             raise DataError(
                 f"data.source: no such file, folder or glob {self.source!r}; "
                 "give an existing path or 'pystdlib'"

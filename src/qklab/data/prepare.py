@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -79,7 +80,9 @@ def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print) -> Prepare
     val_sha = content_sha256(split.val)
     tokenizer, tokenizer_id = _get_tokenizer(cfg, split.train, train_sha, cache, log)
 
-    key = _short_hash(CACHE_FORMAT, train_sha, val_sha, tokenizer_id)
+    # the english corpus also keys on its parts' versions and licences: two corpus versions never share tokens
+    corpus_id = [json.dumps(source.corpus_parts, sort_keys=True)] if source.corpus_parts else []
+    key = _short_hash(CACHE_FORMAT, train_sha, val_sha, tokenizer_id, *corpus_id)
     train_path = cache / f"tokens-{key}-train.bin"
     val_path = cache / f"tokens-{key}-val.bin"
     if train_path.exists() and val_path.exists():
@@ -103,6 +106,8 @@ def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print) -> Prepare
         "train_tokens": train_path.stat().st_size // itemsize,
         "val_tokens": val_path.stat().st_size // itemsize,
     }
+    if source.corpus_parts:  # english: package, registry, version, licence, text SHA-256 and cap of each part
+        fingerprint["corpus_parts"] = source.corpus_parts
     return PreparedData(
         train_path=train_path,
         val_path=val_path,

@@ -1,4 +1,4 @@
-"""Reading documents from the standard library, local files or Hugging Face datasets.
+"""Reading documents from the standard library, the english corpus, local files or Hugging Face datasets.
 
 Every source becomes a list of Documents ordered deterministically, plus counts
 of what was skipped (empty, binary or non-UTF-8 inputs).
@@ -13,7 +13,9 @@ import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from . import english
 from .config import HF_PREFIX, PYSTDLIB, DataConfig, DataError
 
 BINARY_SNIFF_BYTES = 8192
@@ -43,6 +45,9 @@ class SourceDocs:
     label: str  # short name of the source used in log lines
     docs: list[Document] = field(default_factory=list)
     skipped: SkipCounts = field(default_factory=SkipCounts)
+    # english only: per part its package, registry, version, licence, text SHA-256 and cap (the fingerprint)
+    corpus_parts: dict[str, Any] = field(default_factory=dict)
+    parts_note: str = ""  # english only: documents and characters kept per part, for the log line
 
     @property
     def total_bytes(self) -> int:
@@ -53,6 +58,7 @@ class SourceDocs:
         return (
             f"{self.label}: {len(self.docs)} files, {self.total_bytes / 1e6:.1f} MB "
             f"(skipped: {s.empty} empty, {s.binary} binary, {s.non_utf8} non-UTF-8)"
+            + (f"; {self.parts_note}" if self.parts_note else "")
         )
 
 
@@ -88,6 +94,8 @@ def load_documents(cfg: DataConfig) -> SourceDocs:
     if cfg.source == PYSTDLIB:
         root = Path(sysconfig.get_paths()["stdlib"])
         return _read_files(PYSTDLIB, root, _stdlib_files(root), cfg.max_files)
+    if cfg.source == english.ENGLISH:
+        return _load_english(cfg)
     if cfg.source.startswith(HF_PREFIX):
         return _load_hf(cfg)
     root, files = _local_files(cfg.source)
@@ -135,6 +143,20 @@ def _read_files(label: str, root: Path, files: Iterable[Path], max_files: int) -
     for rel in sorted(keep):
         text = classify(by_rel[rel].read_bytes(), out.skipped)
         if text is not None:
+            out.docs.append(Document(rel, text, len(text.encode("utf-8"))))
+    return out
+
+
+def _load_english(cfg: DataConfig) -> SourceDocs:
+    """The documents of the english corpus (data/english.py), ids ``<part>/<name>``, ordered by id."""
+    corpus = english.load_corpus()
+    keep = take_subset([rel for rel, _ in corpus.docs], cfg.max_files)
+    out = SourceDocs(english.ENGLISH, corpus_parts=corpus.fingerprint)
+    out.parts_note = "corpus parts: " + ", ".join(
+        f"{p.name} {p.documents} docs {p.chars / 1e6:.1f}M chars" for p in corpus.stats
+    )
+    for rel, text in corpus.docs:
+        if rel in keep:
             out.docs.append(Document(rel, text, len(text.encode("utf-8"))))
     return out
 
