@@ -4,6 +4,12 @@ Each variant is a full ``Trainer`` (data loading, forward, backward, clipping, t
 the optimizer step), so a method's whole cost is counted. The first variant is the baseline.
 
     python benchmarks/step_time.py --config small --variant none: --variant "qkmap:qk.method=qkmap"
+    python benchmarks/step_time.py --config small --suite controllers   # the optimizer-side entries below
+
+``--suite`` names a list of variants (and the ``--set`` they share) kept here, so that a committed table can
+be rerun as it was: ``controllers`` is Muon with each optimizer-side controller against Muon alone, Compositional
+Muon in both forms (the exact one orthogonalises W_Q, W_K per head, so ``muon-per-head-qk`` is its cost
+without the whitening). Further ``--variant`` entries are appended.
 
 Prints JSON: median seconds per step of each variant and its ratio to the baseline, the median of
 per-round ratios (``_timing.py``).
@@ -24,16 +30,30 @@ from qklab.config import load_config
 from qklab.data import prepare_data
 from qklab.train.trainer import Trainer
 
+EXACT = "qk.controller=compositional,qk.compositional.form=exact,qk.compositional.decay=base,train.muon_per_head=qk"
+SUITES: dict[str, tuple[list[str], list[str]]] = {  # name -> (--set, --variant entries; the first the baseline)
+    "controllers": (["train.optimizer=muon"], [
+        "none:", "quack:qk.controller=quack", "compositional:qk.controller=compositional",
+        f"compositional-exact:{EXACT}",
+        "muon-per-head-qk:train.muon_per_head=qk", "muon-per-head-qkv:train.muon_per_head=qkv"]),
+}
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="small")
-    ap.add_argument("--variant", action="append", required=True, metavar="LABEL:K=V,K=V")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL:K=V,K=V")
+    ap.add_argument("--suite", choices=sorted(SUITES), help="a named list of variants (and shared --set)")
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--steps", type=int, default=1, help="timed steps per variant per round")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
+    if args.suite:
+        sets, entries = SUITES[args.suite]
+        args.set, args.variant = [*sets, *args.set], [*entries, *args.variant]
+    if not args.variant:
+        ap.error("give --variant (one or more) or --suite")
     variants = [parse_variant(v) for v in args.variant]
     with tempfile.TemporaryDirectory() as tmp:
         cfgs = {

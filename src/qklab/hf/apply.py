@@ -14,7 +14,22 @@ model switches to the ``"qklab"`` attention function and mask. What each method 
   position ids); the family's q/k norms stay in front of it.
 * ``qknorm`` variants (``q_gain``, ``stats``, ``gains``, ``p``): as in qklab's attention; per-head gains
   start from a Qwen3 model's shared ones, tiled.
-* ``none``: returns the model untouched.
+* ``none``: returns the model untouched (unless it adds a gate or a sink, below; the family's q/k norms stay).
+
+``attn_gate`` and ``attn_sink`` (keywords, any method; qklab's ``model.attn_gate`` / ``model.attn_sink``) add
+to every Llama-style layer:
+
+* ``attn_gate="head" | "element"``: gated attention (arXiv 2505.06708, the SDPA-output gate G1), each head's
+  output times sigmoid(W_g x) before ``o_proj``, x the layer's (normalised) input: ``self_attn.attn_gate``,
+  an ``nn.Linear(C, H)`` (one gate per head and token) or ``nn.Linear(C, H * head_dim)`` (one per output
+  feature), no bias, initialised as qklab's W_g: N(0, config.initializer_range), so gates start near 1/2.
+* ``attn_sink=True``: a learnable logit b_h per head in every softmax denominator, with no value
+  (``self_attn.attn_sink``, (H,), initialised to 0 as in qklab): p_ij = exp(s_ij) / (exp(b_h) + sum_j
+  exp(s_ij)). Exact on both paths of the ``"qklab"`` attention function (SDPA: one zero key and value and a
+  float mask column b_h; eager: an extra logit column whose probability is dropped).
+
+A layer that has a gate or a sink keeps it when ``apply`` runs again (with the defaults); asking for one it
+already has is refused, as are DeepSeek (MLA) layers (``qklab.errors.ConfigError``, one line).
 
 DeepSeek-V2/V3 (MLA) layers get ``QKDeepSeekMixin``: the method maps the materialised per-head q and k as
 in qklab's MLA (qknorm, softcap; qkmap is refused: MLA keeps the projection widths), and the cache holds
@@ -28,10 +43,13 @@ import dataclasses
 import torch
 from torch import nn
 
+from qklab.errors import ConfigError
 from qklab.hf.attention import QKAttentionMixin, QKDeepSeekMixin, use_qklab_attention
 from qklab.methods import CONTROLLERS, METHODS, AttnShape, QKMethod
+from qklab.methods.base import NoOptions
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+GATES = ("none", "head", "element")  # qklab's model.attn_gate
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 _SWAPPED: dict[type, type] = {}
 
@@ -80,41 +98,91 @@ def _rebuild(old: nn.Linear, in_dim: int, out_dim: int, std: float) -> nn.Linear
     return new
 
 
-def apply(model: nn.Module, method: str, **options) -> nn.Module:
+def _check_gate_sink(attn_gate: str, attn_sink: bool, family: str) -> None:
+    if attn_gate not in GATES:
+        raise ConfigError(f"attn_gate={attn_gate!r}: use none, head or element")
+    if not isinstance(attn_sink, bool):
+        raise ConfigError(f"attn_sink={attn_sink!r}: use True or False")
+    if (attn_gate != "none" or attn_sink) and family in DEEPSEEK:
+        raise ConfigError(f"qklab.hf.apply adds attn_gate / attn_sink to Llama-style layers ({', '.join(FAMILIES)}); "
+                          f"'{family}' (MLA) is not supported")
+
+
+def _refuse_twice(mod: nn.Module, attn_gate: str, attn_sink: bool) -> None:
+    for kind, asked in (("attn_gate", attn_gate != "none"), ("attn_sink", attn_sink)):
+        if asked and getattr(mod, kind, None) is not None:
+            raise ConfigError(f"layer {mod.layer_idx} already has its {kind}; qklab.hf.apply adds it once")
+
+
+def add_gate_sink(mod: nn.Module, n_heads: int, attn_gate: str = "none", attn_sink: bool = False,
+                  init_std: float = 0.02) -> None:
+    """Give one Llama-style attention layer qklab's output gate (``attn_gate``: W_g (C -> H) or (C -> H *
+    head_dim), N(0, init_std)) and per-head sink logits (``attn_sink``: (H,) zeros), on its weights' device and
+    dtype; refuses one it already has."""
+    p = mod.v_proj.weight  # (H_kv * head_dim, C): the layer's input width C (W_Q may read a mapped input)
+    _refuse_twice(mod, attn_gate, attn_sink)
+    if attn_gate != "none":
+        width = n_heads * (1 if attn_gate == "head" else mod.head_dim)
+        gate = nn.Linear(p.shape[1], width, bias=False, device=p.device, dtype=p.dtype)
+        with torch.no_grad():
+            nn.init.normal_(gate.weight, 0.0, init_std)
+        mod.attn_gate = gate
+    if attn_sink:
+        mod.attn_sink = nn.Parameter(torch.zeros(n_heads, device=p.device, dtype=p.dtype))
+
+
+def apply(model: nn.Module, method: str = "none", *, attn_gate: str = "none", attn_sink: bool = False,
+          **options) -> nn.Module:
     """Convert every attention layer of ``model`` (Llama, Mistral, Qwen2, Qwen3, DeepSeek-V2/V3; built from a
-    config or loaded) to ``method`` with the method's ``options`` (e.g. ``cap=30`` for softcap). In place; returns
-    the model. Padding masks, ``generate()`` with its cache and all other layers work as before."""
+    config or loaded) to ``method`` with the method's ``options`` (e.g. ``cap=30`` for softcap), and add
+    qklab's output gate (``attn_gate`` "head" | "element") and per-head sinks (``attn_sink=True``) on
+    Llama-style layers. In place; returns the model. Padding masks, ``generate()`` with its cache and all
+    other layers work as before."""
     opts = method_options(method, options)
-    if method == "none":
-        return model
     cfg = model.config
     family = getattr(cfg, "model_type", "")
+    _check_gate_sink(attn_gate, attn_sink, family)
+    extras = attn_gate != "none" or attn_sink
+    if method == "none" and not extras:
+        return model
     if family in DEEPSEEK:
         return _apply_deepseek(model, method, opts)
     if family not in FAMILIES:
         raise ValueError(f"qklab.hf.apply supports model types {', '.join(FAMILIES + DEEPSEEK)}; got '{family}'")
     mods = attention_modules(model)
     init_std = getattr(cfg, "initializer_range", 0.02)
+    for mod in mods:  # refused before any layer changes
+        _refuse_twice(mod, attn_gate, attn_sink)
     for mod in mods:
         H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, mod.head_dim
-        qm: QKMethod = METHODS[method](AttnShape(cfg.hidden_size, H, Hkv, D, mod.layer_idx, len(mods)), opts)
-        if qm.feature_dim() != D:
-            raise ValueError(f"{method} with these options gives q/k features of width {qm.feature_dim()}, but the "
-                             f"model's RoPE has head_dim={D}; use options that keep the width (compute-matched)")
-        qm.reset_parameters()
-        p = mod.q_proj.weight
-        qm.to(device=p.device, dtype=p.dtype)
-        std = qm.qk_init_std(init_std)  # used only where W_Q/W_K change width
-        mod.q_proj = _rebuild(mod.q_proj, qm.qk_in_dim(), H * qm.proj_dim(), std)
-        mod.k_proj = _rebuild(mod.k_proj, qm.qk_in_dim(), Hkv * qm.proj_dim(), std)
-        if getattr(mod, "q_norm", None) is not None and not qm.keeps_model_qk_norm:
-            qm.adopt_qk_norm(mod.q_norm, mod.k_norm)  # e.g. a QK-Norm takes the model's own gains
-            mod.q_norm = None
-            mod.k_norm = None
-        mod.qk_method = qm
+        shape = AttnShape(cfg.hidden_size, H, Hkv, D, mod.layer_idx, len(mods))
+        if method != "none":
+            _convert(mod, METHODS[method](shape, opts), method, H, Hkv, D, init_std)
+        elif getattr(mod, "qk_method", None) is None:  # standard attention; the family's q/k norms stay
+            qm = METHODS["none"](shape, NoOptions())
+            mod.qk_method = qm.to(device=mod.q_proj.weight.device, dtype=mod.q_proj.weight.dtype)
+        add_gate_sink(mod, H, attn_gate, attn_sink, init_std)
         _swap_class(mod)
     use_qklab_attention(model)
     return model
+
+
+def _convert(mod: nn.Module, qm: QKMethod, method: str, H: int, Hkv: int, D: int, init_std: float) -> None:
+    """One Llama-style layer to the forward-side method ``qm``."""
+    if qm.feature_dim() != D:
+        raise ValueError(f"{method} with these options gives q/k features of width {qm.feature_dim()}, but the "
+                         f"model's RoPE has head_dim={D}; use options that keep the width (compute-matched)")
+    qm.reset_parameters()
+    p = mod.q_proj.weight
+    qm.to(device=p.device, dtype=p.dtype)
+    std = qm.qk_init_std(init_std)  # used only where W_Q/W_K change width
+    mod.q_proj = _rebuild(mod.q_proj, qm.qk_in_dim(), H * qm.proj_dim(), std)
+    mod.k_proj = _rebuild(mod.k_proj, qm.qk_in_dim(), Hkv * qm.proj_dim(), std)
+    if getattr(mod, "q_norm", None) is not None and not qm.keeps_model_qk_norm:
+        qm.adopt_qk_norm(mod.q_norm, mod.k_norm)  # e.g. a QK-Norm takes the model's own gains
+        mod.q_norm = None
+        mod.k_norm = None
+    mod.qk_method = qm
 
 
 def _apply_deepseek(model: nn.Module, method: str, opts: object) -> nn.Module:

@@ -3,12 +3,16 @@ attention forward that runs a ``QKMethod`` on Llama-style layers.
 
 * ``qklab_attention`` is registered with ``AttentionInterface`` and its mask (an additive float mask,
   ``eager_mask``) with ``AttentionMaskInterface``, both under the name ``"qklab"``. It reads the layer's
-  ``qk_method`` (logit rewrite, e.g. soft-capping) and ``qk_layer`` (a per-head max-logit tracker), and
-  runs fused SDPA when neither needs the logits.
+  ``qk_method`` (logit rewrite, e.g. soft-capping), ``qk_layer`` (a per-head max-logit tracker) and
+  ``attn_sink`` (per-head sink logits, (H,), qklab's ``model.attn_sink``), and runs fused SDPA when
+  neither of the first two needs the logits (a sink is then one zero key and value with a float-mask
+  column b_h, exactly as in ``qklab.model.attention.sdpa_causal``).
 * ``QKAttentionMixin.forward`` replaces the forward of Llama/Mistral/Qwen2/Qwen3 attention (the module's
   class is swapped for a subclass; its weights and their names stay): q and k come from the projections
   as ``(B, H, T, d')``, go through the method's ``map_input``/``map_qk`` exactly as in qklab's own
-  attention (RoPE from the model's rotary embedding), then the cache and the attention function.
+  attention (RoPE from the model's rotary embedding), then the cache and the attention function; a layer
+  with ``attn_gate`` (qklab's ``model.attn_gate``) multiplies each head's output by sigmoid(W_g x) before
+  ``o_proj``.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qklab.model.attention import MaxLogitTracker, causal_mask
+from qklab.errors import ConfigError
+from qklab.model.attention import MaxLogitTracker, causal_mask, softmax_with_sink
 
 NAME = "qklab"
 
@@ -77,7 +82,10 @@ def qklab_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(
             ~mask, torch.finfo(query.dtype).min)
     drop = dropout if module.training else 0.0
+    sink = getattr(module, "attn_sink", None)  # (H,) or None
     if not (rewrites or tracking or kwargs.get("output_attentions")):
+        if sink is not None:  # one zero key and value (logit q.0 = 0) whose mask entry is the sink logit b_h
+            key, value, mask = _sink_key(query, key, value, mask, sink)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=drop, scale=scaling,
                                              enable_gqa=H != Hkv)
         return out.transpose(1, 2).contiguous(), None
@@ -90,9 +98,21 @@ def qklab_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         tracker.observe(s, None if mask is None else mask == 0)
     if mask is not None:
         s = s + mask
-    p = torch.softmax(s.float(), dim=-1).to(query.dtype)
+    p = softmax_with_sink(s, sink).to(query.dtype)  # fp32; the sink's own probability dropped
     p = F.dropout(p, p=drop, training=module.training)
     return torch.matmul(p, value).transpose(1, 2).contiguous(), p
+
+
+def _sink_key(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+              sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """key (B, Hkv, Tk, F), value (B, Hkv, Tk, Dv) with one zero position appended, and the additive mask
+    (B|1, H, Tq, Tk + 1) whose last column is the sink logit b_h of each head: SDPA's softmax then has
+    exp(b_h) in every denominator and the zero value adds nothing to the output."""
+    H, Tq, Tk = query.shape[1], query.shape[2], key.shape[2]
+    base = mask if mask is not None else query.new_zeros(1, 1, Tq, Tk)
+    base = base.to(query.dtype).expand(base.shape[0], H, Tq, Tk)  # (B|1, H, Tq, Tk)
+    col = sink.to(query.dtype).view(1, H, 1, 1).expand(base.shape[0], H, Tq, 1)
+    return F.pad(key, (0, 0, 0, 1)), F.pad(value, (0, 0, 0, 1)), torch.cat([base, col], dim=-1)
 
 
 def register() -> None:
@@ -132,9 +152,15 @@ class QKAttentionMixin:
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, qklab_attention)
+        if attend is not qklab_attention and getattr(self, "attn_sink", None) is not None:
+            raise ConfigError(f"layer {self.layer_idx} has attention sinks, which only the 'qklab' attention "
+                              f"computes; attn_implementation is '{self.config._attn_implementation}'")
         out, w = attend(self, q, k, v, attention_mask, scaling=m.scale(q.shape[-1]),
                         dropout=self.attention_dropout if self.training else 0.0,
-                        sliding_window=getattr(self, "sliding_window", None), **kwargs)
+                        sliding_window=getattr(self, "sliding_window", None), **kwargs)  # (B, T, H, Dv)
+        gate = getattr(self, "attn_gate", None)  # W_g: (C -> H) or (C -> H * Dv)
+        if gate is not None:  # gated attention: each head's output times sigmoid(W_g x), x the layer's input
+            out = out * torch.sigmoid(gate(hidden_states)).view(B, T, out.shape[2], -1).to(out.dtype)
         return self.o_proj(out.reshape(B, T, -1)), w
 
 

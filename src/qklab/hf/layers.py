@@ -146,8 +146,8 @@ def _hook_projections(layer: QKLayer, qmod, kmod, qs, ks, d: int, causal: bool) 
 
 def _llama_layer(mod: nn.Module, cfg) -> QKLayer:
     H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    qk = getattr(mod, "qk_method", None)
-    if qk is None and getattr(mod, "q_norm", None) is not None:  # the family's own QK-Norm (Qwen3)
+    qk = getattr(mod, "qk_method", None)  # standard attention (apply's "none", e.g. with a gate) keeps the norms
+    if (qk is None or qk.name == "none") and getattr(mod, "q_norm", None) is not None:  # the family's QK-Norm
         qk = QKNorm(AttnShape(cfg.hidden_size, H, Hkv, mod.head_dim, mod.layer_idx, 1), QKNormOptions())
     layer = QKLayer(f"layer{mod.layer_idx}", mod, H, Hkv,
                     {"wq": _head_view(mod.q_proj.weight, None, H, False),

@@ -9,15 +9,24 @@ update has the RMS 0.2 * lr that a whole matrix's has. Momentum and decoupled we
 elementwise, so they are those of torch's Muon. Without ``head_rows`` a group computes torch's Muon bit for
 bit.
 
+Preconditioned heads (``HeadMuon.set_preconditioner``): a controller may wrap the Newton-Schulz of one
+parameter's head blocks, U^h -> pre(U^h) before it and O^h -> post(O^h) after it, on all heads at once as
+(n_heads, rows, C) fp32 tensors (Compositional Muon's exact rule: pre = C^{-1} U, post = tau C^{-1} O).
+The step is then W <- (1 - lr wd) W - lr_adj post(NS(pre(U))), lr_adj torch's rate on the head's shape.
+
 Sharded: Muon's momentum is elementwise, so it stays on the rows each rank holds. Its Newton-Schulz
 orthogonalisation needs the whole matrix (or the whole head): every rank gathers the (momentum) update of
-a matrix whole, orthogonalises it with torch's own routine, and keeps its rows. Running the iteration on
-sharded DTensors instead would reduce partial bf16 products over the ranks (torch's Muon iterates in bf16)
-and drift from the single-process result; the gathered form is the same arithmetic as one process.
-Costs: one all-gather of each matrix's update per step and the orthogonalisation repeated on every rank.
+a matrix whole, orthogonalises it with torch's own routine (and its preconditioner, which every rank
+holds whole), and keeps its rows. A head split between two ranks is therefore one head, as in one
+process. Running the iteration on sharded DTensors instead would reduce partial bf16 products over the
+ranks (torch's Muon iterates in bf16) and drift from the single-process result; the gathered form is the
+same arithmetic as one process. Costs: one all-gather of each matrix's update per step and the
+orthogonalisation repeated on every rank.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
@@ -25,16 +34,35 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from qklab.methods.shards import is_sharded, local_rows
 
 
-def orthogonalise(update: torch.Tensor, group: dict, rows: int = 0) -> tuple[torch.Tensor, torch.Size]:
+class HeadPreconditioner(Protocol):
+    """What ``HeadMuon.set_preconditioner`` takes: two maps of a parameter's head blocks, in fp32."""
+
+    def pre(self, update: torch.Tensor) -> torch.Tensor:
+        """(n_heads, rows, C) momentum update U of every head -> the Newton-Schulz input (same shape)."""
+
+    def post(self, ortho: torch.Tensor) -> torch.Tensor:
+        """(n_heads, rows, C) Newton-Schulz output O of every head -> the step direction, before -lr_adj."""
+
+
+def orthogonalise(update: torch.Tensor, group: dict, rows: int = 0,
+                  hook: HeadPreconditioner | None = None) -> tuple[torch.Tensor, torch.Size]:
     """(torch's Newton-Schulz of ``update`` (N, C), the shape its rate is adjusted for): of the whole
-    matrix when ``rows`` is 0 (or N), else of each (rows, C) head block, stacked back in order."""
+    matrix when ``rows`` is 0 (or N), else of each (rows, C) head block, stacked back in order. With
+    ``hook``: post(NS(pre(U^h))) per head block, in fp32 around torch's (bf16) iteration."""
     coeffs, steps, eps = group["ns_coefficients"], group["ns_steps"], group["eps"]
-    if not rows or rows == update.shape[0]:
-        return _zeropower_via_newtonschulz(update, coeffs, steps, eps), update.shape
-    if update.shape[0] % rows:
+    N, C = update.shape
+    r = rows or N
+    if N % r:
         raise ValueError(f"a {tuple(update.shape)} matrix does not split into heads of {rows} rows")
-    blocks = [_zeropower_via_newtonschulz(b, coeffs, steps, eps) for b in update.split(rows)]
-    return torch.cat(blocks), torch.Size((rows, update.shape[1]))
+    shape = update.shape if r == N else torch.Size((r, C))
+    if hook is not None:
+        blocks = hook.pre(update.float().view(N // r, r, C))  # (n_heads, r, C)
+        ortho = torch.stack([_zeropower_via_newtonschulz(b, coeffs, steps, eps) for b in blocks])
+        return hook.post(ortho.float()).reshape(N, C), shape
+    if r == N:
+        return _zeropower_via_newtonschulz(update, coeffs, steps, eps), shape
+    blocks = [_zeropower_via_newtonschulz(b, coeffs, steps, eps) for b in update.split(r)]
+    return torch.cat(blocks), shape
 
 
 def head_rows(group: dict) -> dict[int, int]:
@@ -47,7 +75,31 @@ def head_rows(group: dict) -> dict[int, int]:
 
 class HeadMuon(torch.optim.Muon):
     """torch's Muon, with the per-head orthogonalisation of the matrices a group names in ``head_rows``, on
-    whole parameters and on FSDP2 row shards alike (a whole parameter is its own rows, from 0)."""
+    whole parameters and on FSDP2 row shards alike (a whole parameter is its own rows, from 0), and the
+    per-parameter preconditioners of ``set_preconditioner``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._preconditioners: dict[int, HeadPreconditioner] = {}  # id(parameter) -> its hook
+
+    def rows_of(self, p: torch.Tensor) -> int | None:
+        """The rows per head this optimizer orthogonalises ``p`` by (its whole row count when it is
+        orthogonalised whole), or None when p is in none of its groups."""
+        for group in self.param_groups:
+            if any(q is p for q in group["params"]):
+                return head_rows(group).get(id(p), 0) or p.shape[0]
+        return None
+
+    def set_preconditioner(self, p: torch.Tensor, hook: HeadPreconditioner | None) -> None:
+        """Run ``hook.pre`` / ``hook.post`` around the Newton-Schulz of parameter ``p``'s head blocks (the
+        blocks ``head_rows`` gives it, or the whole matrix); None removes it. The hook sees whole heads:
+        under FSDP2 the gathered update, on every rank."""
+        if self.rows_of(p) is None:
+            raise ValueError(f"a {tuple(p.shape)} parameter is not in this optimizer's groups")
+        if hook is None:
+            self._preconditioners.pop(id(p), None)
+        else:
+            self._preconditioners[id(p)] = hook
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -68,9 +120,12 @@ class HeadMuon(torch.optim.Muon):
                 b.lerp_(gl, 1 - mom)
                 update = gl.lerp(b, mom) if group["nesterov"] else b  # (r, C)
                 whole = _gather_rows(update, p) if is_sharded(p) else update  # (N, C)
-                ortho, shape = orthogonalise(whole, group, heads.get(id(p), 0))
+                hook = self._preconditioners.get(id(p))
+                ortho, shape = orthogonalise(whole, group, heads.get(id(p), 0), hook)
                 rows.mul_(1 - lr * wd)
-                rows.add_(ortho[start : start + rows.shape[0]], alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
+                step = ortho[start : start + rows.shape[0]]
+                rows.add_(step.to(rows.dtype) if hook is not None else step,
+                          alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
         return loss
 
 
