@@ -362,7 +362,31 @@ def _header(analysis: dict, dirs: list[str], results: list[dict]) -> list[str]:
         lines.append("Code (git SHA of the process that finished each cell, with its number of cells): "
                      + ", ".join(f"{sha} ({n})" for sha, n in sorted(shas.items(), key=lambda x: (-x[1], x[0])))
                      + ".")
+    lines += code_lines(results)
     return lines
+
+
+def code_version_of(r: dict) -> str:
+    """The code that trained a cell: the commit its study process imported (``code``; "+diff <sha>" for a
+    dirty tree), else the HEAD its cell recorded (``git_sha``, results from before ``code`` existed)."""
+    c = r.get("code") if isinstance(r.get("code"), dict) else None
+    if c and c.get("commit"):
+        return str(c["commit"])[:12] + (f"+diff {str(c.get('diff_sha256'))[:12]}" if c.get("dirty") else "")
+    return str(r.get("git_sha") or "unknown")[:12] + (" (HEAD at the cell's start)" if r.get("git_sha") else "")
+
+
+def code_lines(results: list[dict]) -> list[str]:
+    """Per study, the code versions that trained its cells, with a warning when there are several."""
+    by_study: dict[str, Counter] = {}
+    for r in results:
+        by_study.setdefault(r.get("study", ""), Counter())[code_version_of(r)] += 1
+    out = []
+    for study, versions in sorted(by_study.items()):
+        listed = ", ".join(f"{v} ({n})" for v, n in sorted(versions.items(), key=lambda x: (-x[1], x[0])))
+        warn = (f" **Warning: {len(versions)} code versions trained this study's cells**; numbers of cells trained "
+                "by different code may differ for that reason alone." if len(versions) > 1 else "")
+        out += ["", f"Code versions of `{study or '?'}` (cells): {listed}.{warn}"]
+    return out
 
 
 def write_report(dirs: list[str | Path], out: str | Path | None = None, title: str = "qklab report",
