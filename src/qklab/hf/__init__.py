@@ -1,9 +1,10 @@
 """qklab's methods on other people's models.
 
-* ``apply(model, method, **options)``: a forward-side method (qknorm, qkmap, softcap) in every attention
-  layer of a transformers Llama / Mistral / Qwen2 / Qwen3 causal LM.
+* ``apply(model, method, attn_gate=..., attn_sink=..., **options)``: a forward-side method (qknorm, qkmap,
+  quest, ssmax, softcap), and optionally the attention gate (``"head"`` or ``"element"``) and a learnable
+  per-head sink logit, in every attention layer of a transformers Llama / Mistral / Qwen2 / Qwen3 causal LM.
 * ``attach(model, optimizer, controller, **options)``: an optimizer-side controller (quack, qkclip,
-  qk_lr_multiplier) on any PyTorch model (``qklab.attach`` is the same function).
+  qk_lr_multiplier, compositional) on any PyTorch model (``qklab.attach`` is the same function).
 * ``QKCallback``: the controllers and per-head max-logit logging under transformers' ``Trainer``.
 * DeepSeek-V2/V3 MLA weights to and from qklab's MLA; a qklab GPT to and from a Llama / Qwen3 folder.
 

@@ -111,7 +111,8 @@ class Attached:
 
 def attach(model: nn.Module, optimizer: torch.optim.Optimizer, controller: str,
            layers: list[LayerSpec] | None = None, hooks: bool = True, track: bool = False, **options) -> Attached:
-    """Run ``controller`` ("quack", "qkclip", "qk_lr_multiplier"; "none": max-logit logging only) with its
+    """Run ``controller`` ("quack", "qkclip", "qk_lr_multiplier", "compositional" in its isotropic form; "none":
+    max-logit logging only) with its
     ``options`` (e.g. tau_clip=50) on ``model``, whose parameters ``optimizer`` updates.
 
     ``layers``: explicit LayerSpecs (any model); default: found by name in a transformers model.
