@@ -118,7 +118,7 @@ PLANTED = [  # claims rows as claims.claims_table gives them; the last without t
      "verdict": "agree", "reason": "Holm p = 0.01 < 0.05", "verdict_old": "agree", "amended": True,
      "verdict_registered": "inconclusive", "reason_registered": "Holm p = 0.2 is not below 0.05",
      "stats": {"n": 8, "df": 7, "mean": -0.12, "ci_lo": -0.2, "ci_hi": -0.04, "boot_lo": -0.19, "boot_hi": -0.05,
-               "effect": -1.5, "p": 0.004, "p_flip": 0.008, "margin": 0.0},
+               "effect": -1.5, "p": 0.004, "p_flip": 0.008, "margin": 0.0, "a": "qkmap", "b": "none"},
      "p_holm": 0.01, "q_bh": 0.01, "shows": "QK-MAP beats Standard attention at these rates.",
      "not_shows": "Whether it holds at larger scale."},
     {"id": "quack.logits", "paper": "QuacK", "claim": "keeps attention logits smaller", "status": "confirmatory",
@@ -157,10 +157,10 @@ def test_answers_open_the_report_with_the_registered_questions(planted):
     first, second = items
     assert first.startswith("- **QK-MAP: lower validation loss than Standard attention** (qkmap.val): **agree** "
                             "under the amended plan; **inconclusive** under the registered plan; ")
-    assert "[mean difference -0.120, 95% CI \\[-0.200, -0.040\\], n=8](" in first
+    assert "[qkmap - none: -0.120, 95% CI \\[-0.200, -0.040\\], n=8, Holm p 0.01](" in first
     assert first.endswith("*Shows:* QK-MAP beats Standard attention at these rates. "
                           "*Limits:* Whether it holds at larger scale.")
-    assert "[ratio 0.1, 95% CI \\[0.01, 1\\], n=6](" in second and "**inconclusive**;" in second
+    assert "[ratio 0.1, 95% CI \\[0.01, 1\\], n=6, Holm p 0.3](" in second and "**inconclusive**;" in second
     assert "*Shows:* Max logit ratio: Holm p = 0.3 is not below 0.05." in second  # from measurement and reason
     assert "EXPLORATORY" not in md and "outperforms no intervention in the MLA setting" not in answers
 

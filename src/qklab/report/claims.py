@@ -120,7 +120,8 @@ def _test(d: dict, margin: float) -> dict:
     """The statistics of a paired claim a < b + margin: the interval of a - b, the tests of mean = margin."""
     shifted = difference_stats([x - margin for x in d["diffs"]])
     return {k: d[k] for k in ("n", "df", "mean", "ci_lo", "ci_hi", "boot_lo", "boot_hi")} | {
-        "margin": margin, "effect": shifted["effect"], "p": shifted["p"], "p_flip": shifted["p_flip"]}
+        "a": d.get("a"), "b": d.get("b"), "margin": margin, "effect": shifted["effect"], "p": shifted["p"],
+        "p_flip": shifted["p_flip"]}
 
 
 def _verdict_less(d: dict | None, why: str, what: str, margin: float = 0.0) -> tuple:
@@ -400,19 +401,19 @@ def _claim_text(cid: str, p: dict) -> str:
 
 def _scope(kind: str, p: dict) -> tuple[str, str]:
     """(what the measurement shows, what it does not), one sentence each."""
-    scale = ("at this study's scale (its model, data and steps), nor whether it carries over to larger models, "
-             "other data or longer training")
+    scale = ("whether it carries over to larger models, other data or longer training than this study's "
+             "(its model, corpus and steps)")
     if kind == "loss":
         return ("The paired difference over seeds, each method at its own tuned rate (selection split), read on "
-                "the report split.", f"It does not show the effect beyond the rates and seeds run, or {scale}.")
+                "the report split.", f"It does not show {scale}.")
     if kind == "probe":
         ctx = f"{p['context']} tokens" if p.get("context") else "the training length"
         return (f"The paired difference of a probe measure at {ctx} on held-out inputs, each method at its tuned rate.",
-                f"It does not show the effect on downstream tasks, or {scale}.")
+                f"It does not show an effect on downstream tasks, nor {scale}.")
     if kind == "logits":
         return ("The paired ratio of the final max attention logit at the same base rate." if p.get("rate") !=
                 "tuned" else "The paired ratio of the final max attention logit, each at its tuned rate.",
-                f"It does not show whether the smaller logits change the loss, or {scale}.")
+                f"It does not show whether the smaller logits change the loss, nor {scale}.")
     if kind == "stable":
         rule = {"delta": f"its mean selection loss within {p.get('delta', 0.1):g} nats of its own best",
                 "near-best": f"its mean selection loss within {p.get('delta', 0.1):g} nats of the best method's"

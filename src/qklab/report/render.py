@@ -292,11 +292,14 @@ def answers(rows: list[dict], cells: Cells) -> list[str]:
         if r.get("amended"):
             verdict += f" under the amended plan; **{r.get('verdict_registered') or '-'}** under the registered plan"
         st = r["stats"]
+        holm = f", Holm p {r['p_holm']:.3g}" if math.isfinite(r.get("p_holm", math.nan)) else ""
         if st and st.get("log_ratio"):
-            num = (f"ratio {10 ** st['mean']:.3g}, 95% CI [{10 ** st['ci_lo']:.3g}, {10 ** st['ci_hi']:.3g}], "
-                   f"n={st['n']}")
+            what = f"{st['a']} / {st['b']}: " if st.get("a") else "ratio "
+            num = (f"{what}{10 ** st['mean']:.3g}, 95% CI [{10 ** st['ci_lo']:.3g}, {10 ** st['ci_hi']:.3g}], "
+                   f"n={st['n']}{holm}")
         elif st:
-            num = f"mean difference {st['mean']:+.3f}, 95% CI {fmt_ci(st['ci_lo'], st['ci_hi'])}, n={st['n']}"
+            what = f"{st['a']} - {st['b']}: " if st.get("a") else "mean difference "
+            num = f"{what}{st['mean']:+.3f}, 95% CI {fmt_ci(st['ci_lo'], st['ci_hi'])}, n={st['n']}{holm}"
         else:
             num = f"measured: {r['measured']}" if r["measured"] != "-" else "nothing measured"
         to = cells.link(r.get("cells") or [], f"{r['paper']}: {r['claim']}")
