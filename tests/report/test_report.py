@@ -71,7 +71,8 @@ def test_report_data_and_claims(tmp_path):
     assert fig["first_token"]["mha"]["qkmap"]["mean"] == pytest.approx(0.10)
     assert fig["first_token"]["mha"]["none"]["uniform"] == pytest.approx(uniform_first_token(64))
     assert fig["max_logit"]["mha"]["quack"]["mean"][-1] == pytest.approx(15.0)  # quack chose x2
-    assert "finished each cell, with its number of cells): abc (38), def (1)." in (out / "report.md").read_text()
+    assert ("Code versions of `s` (cells): abc (HEAD at the cell's start) (38), def (HEAD at the cell's start) (1). "
+            "**Warning: 2 code versions") in (out / "report.md").read_text()
     grid = data["tables"]["grid s"]  # study s, rate x variant: loss over every finished seed / max logit
     col = grid["head"].index("none")
     assert [r[0] for r in grid["rows"]] == ["0.001", "0.002"]

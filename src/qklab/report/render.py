@@ -339,7 +339,6 @@ def _progress(name: str, study: dict, results: list[dict]) -> str:
 
 def _header(analysis: dict, dirs: list[str], results: list[dict]) -> list[str]:
     studies = analysis["studies"]
-    shas = analysis.get("git_shas", {})  # sha -> number of cells that finished under it
     skipped = analysis.get("skipped") or []
     lines = [f"Results: {analysis['n_results']} cells from {', '.join(dirs)}; studies: "
              f"{', '.join(sorted(studies)) or '-'}."
@@ -360,12 +359,7 @@ def _header(analysis: dict, dirs: list[str], results: list[dict]) -> list[str]:
               "and a percentile bootstrap over seeds; in the claims table also the exact sign-flip test, "
               "adjusted across each paper's claims).", "",
               f"Divergence rule: {DIVERGENCE_RULE}."]
-    if shas:
-        lines.append("")
-        lines.append("Code (git SHA of the process that finished each cell, with its number of cells): "
-                     + ", ".join(f"{sha} ({n})" for sha, n in sorted(shas.items(), key=lambda x: (-x[1], x[0])))
-                     + ".")
-    lines += code_lines(results)
+    lines += code_lines(results)  # per study (analysis["git_shas"] keeps the HEAD each cell recorded)
     return lines
 
 
