@@ -90,6 +90,12 @@ def test_plan_change_after_results_is_refused_until_amended(tmp_path, capsys):
     assert entry["why"] == "a stricter level" and entry["old"]["sha256"] == plan_hash(plan_a)
     assert entry["new"]["sha256"] == sj["plan"]["sha256"] != plan_hash(plan_a)
     assert registered_plan(sj) == plan_a and stored_plan(sj)["qkmap.val_vs_none"]["alpha"] == 0.01
+    capsys.readouterr()
+    assert main(["study", "status", f, "--out", str(tmp_path / "o")]) == 0
+    assert "amended 1 time(s); the file's [claims] match it" in capsys.readouterr().out
+    assert main(["study", "status", _file(tmp_path, PLAN_A), "--out", str(tmp_path / "o")]) == 0
+    assert "the file's [claims] differ: a run is refused" in capsys.readouterr().out
+    f = _file(tmp_path, PLAN_B)
     assert _run(tmp_path, f) == 0  # the amended plan is the study's now
     assert main(["study", "amend", f, "--out", str(tmp_path / "o"), "--why", "again"]) == 2  # nothing to amend
 

@@ -87,7 +87,31 @@ def _status(study: Study, results: Path) -> int:
         print(f"{c.id:<40} {status:<6} {detail}")
     print(f"{study.name}: {done}/{len(study.cells)} cells done" + (f", {n_reuse} to reuse" if n_reuse else "")
           + f"; results in {results}")
+    print(plan_status(study, results))
     return 0
+
+
+def plan_status(study: Study, results: Path) -> str:
+    """One line: the registered plan (hash, time, amendments) against the study file's."""
+    from qklab.study.plan import plan_hash, stored_plan
+    from qklab.study.result import read_json
+    from qklab.study.runner import n_results
+
+    data, problem = read_json(results / "study.json")
+    data = data if problem is None and isinstance(data, dict) else {}
+    rec, file_hash = data.get("plan") or {}, plan_hash(study.plan)
+    amended = len(data.get("plan_history") or [])
+    if not rec and file_hash is None:
+        return "plan: no claims registered (every claim of its report is exploratory)"
+    if not rec:
+        return ("plan: the file's [claims] are not registered yet; the next run registers them before its first "
+                "cell" if n_results(results) == 0 else "plan: the file registers claims after results; a run is "
+                "refused until qklab study amend records it")
+    same = plan_hash(stored_plan(data)) == file_hash
+    return (f"plan: {len(rec.get('claims', {}))} claim(s) registered {rec.get('registered', '?')} "
+            f"(sha256 {str(rec.get('sha256'))[:12]})" + (f", amended {amended} time(s)" if amended else "")
+            + ("; the file's [claims] match it" if same else
+               "; the file's [claims] differ: a run is refused until qklab study amend records the change"))
 
 
 def _verify(args: argparse.Namespace) -> int:
