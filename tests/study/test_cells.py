@@ -18,7 +18,9 @@ from qklab.study.spec import cell_hash, load_study, parse_study
 
 ROOT = Path(__file__).parents[2]
 RESULTS = ROOT / "docs" / "results"
-WITH_RESULTS = sorted(p for p in (ROOT / "src" / "qklab" / "studies").glob("*.toml") if (RESULTS / p.stem).is_dir())
+# studies with committed results (a study that registered its plan but has no finished cell yet has none)
+WITH_RESULTS = sorted(p for p in (ROOT / "src" / "qklab" / "studies").glob("*.toml")
+                      if any((RESULTS / p.stem).glob("*/result.json")))
 # docs/results/demo was written before model.qk_init_std existed, with the legacy hash (every key, defaults
 # included), so no cell of today's demo.toml has ever matched it (`qklab demo` trains them again). Its
 # cells' hashes are pinned instead: sha256 of the lines "<cell id> <hash>", in cell order.
