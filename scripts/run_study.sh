@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Run a long study from one commit to its end: in a separate clone at that commit (a clean tree), its
+# results written into this checkout's docs/results/STUDY and committed cell by cell
+# (scripts/commit_results.sh). Run it again, in a later session too, to continue where it stopped:
+#   scripts/run_study.sh qkmap_english            # the commit its results name, else HEAD
+#   scripts/run_study.sh qkmap_english 9c4d00a    # a given commit
+# Needs this checkout's .venv (make setup); the clone imports its own src/ through PYTHONPATH.
+set -euo pipefail
+study=${1:?usage: scripts/run_study.sh STUDY [COMMIT]}
+root=$(git rev-parse --show-toplevel)
+cd "$root"
+results=$root/docs/results/$study
+py=$root/.venv/bin/python
+[ -x "$py" ] || { echo "error: no $py; run make setup first" >&2; exit 2; }
+commit=${2:-}
+if [ -z "$commit" ] && [ -f "$results/study.json" ]; then  # the code its first cells ran with
+  commit=$("$py" -c "import json,sys; c=json.load(open(sys.argv[1])).get('code') or [{}]; print(c[0].get('commit') or '')" \
+           "$results/study.json")
+fi
+if [ -z "$commit" ]; then
+  [ -z "$(git status --porcelain --untracked-files=no)" ] || { echo "error: uncommitted changes; commit them first" >&2; exit 2; }
+  commit=$(git rev-parse HEAD)
+fi
+commit=$(git rev-parse --verify "$commit^{commit}")
+runs=${QKLAB_RUNS:-$root/../qklab-runs}
+clone=$runs/clones/$study-${commit:0:12}
+if [ ! -d "$clone" ]; then
+  mkdir -p "$runs/clones"
+  git clone -q "$root" "$clone"
+  git -C "$clone" checkout -q "$commit"
+fi
+[ "$(git -C "$clone" rev-parse HEAD)" = "$commit" ] || { echo "error: $clone is not at $commit" >&2; exit 2; }
+echo "study $study from commit ${commit:0:12} in $clone; results in $results"
+(cd "$clone" && env -u QKLAB_ALLOW_DIRTY PYTHONPATH="$clone/src" "$py" -m qklab study run "studies/$study.toml" \
+   --workers 2 --results "$results" --out "$runs/$study") &
+run=$!
+mkdir -p "$results"
+QKLAB=$root/.venv/bin/qklab scripts/commit_results.sh "$study" 120 &
+committer=$!
+trap 'kill -TERM $run 2>/dev/null; wait $run; kill $committer 2>/dev/null' INT TERM
+status=0
+wait $run || status=$?
+sleep 130  # one more pass of the committer for the last cells
+kill $committer 2>/dev/null || true
+exit $status
