@@ -2,7 +2,7 @@
 # Run a long study from one commit to its end: in a separate clone at that commit (a clean tree), its
 # results written into this checkout's docs/results/STUDY and committed cell by cell
 # (scripts/commit_results.sh). Run it again, in a later session too, to continue where it stopped:
-#   scripts/run_study.sh qkmap_english            # the commit its results name, else HEAD
+#   scripts/run_study.sh qkmap_english            # the commit it was last started from, else HEAD
 #   scripts/run_study.sh qkmap_english 9c4d00a    # a given commit
 # Needs this checkout's .venv (make setup); the clone imports its own src/ through PYTHONPATH.
 set -euo pipefail
@@ -13,8 +13,8 @@ results=$root/docs/results/$study
 py=$root/.venv/bin/python
 [ -x "$py" ] || { echo "error: no $py; run make setup first" >&2; exit 2; }
 commit=${2:-}
-if [ -z "$commit" ] && [ -f "$results/study.json" ]; then  # the code its first cells ran with
-  commit=$("$py" -c "import json,sys; c=json.load(open(sys.argv[1])).get('code') or [{}]; print(c[0].get('commit') or '')" \
+if [ -z "$commit" ] && [ -f "$results/study.json" ]; then  # the code it was last started from
+  commit=$("$py" -c "import json,sys; c=json.load(open(sys.argv[1])).get('code') or [{}]; print(c[-1].get('commit') or '')" \
            "$results/study.json")
 fi
 if [ -z "$commit" ]; then
