@@ -16,7 +16,7 @@ from qklab.config import ModelConfig, QKConfig  # noqa: E402
 from qklab.hf import apply  # noqa: E402
 from qklab.methods.qkmap import QKMapOptions  # noqa: E402
 from qklab.model import Attention, Rope  # noqa: E402
-from tests.hf.common import HKV, C, H, tiny_model  # noqa: E402
+from tests.hf.common import HKV, C, H, check_padded_generation, left_pad, tiny_model  # noqa: E402
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 METHODS = [("qknorm", {}), ("qkmap", {}), ("softcap", {"cap": 2.0})]
@@ -148,15 +148,6 @@ def test_qkmap_equals_qklab_attention(opts):
     assert ours.capture["probs"][:, :, -1].max() > 3.0 / T  # attention is far from uniform: the map matters
 
 
-def _left_pad(seqs, pad=0):
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad)
-    mask = torch.zeros(len(seqs), T, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, T - len(s):] = s
-        mask[i, T - len(s):] = 1
-    return ids, mask
-
 
 @pytest.mark.parametrize("method, opts", METHODS)
 @pytest.mark.parametrize("family", FAMILIES)
@@ -164,7 +155,7 @@ def test_left_padding_matches_unpadded(family, method, opts):
     model = apply(tiny_model(family), method, **opts)
     g = torch.Generator().manual_seed(5)
     seqs = [torch.randint(3, 101, (n,), generator=g) for n in (12, 7, 3)]
-    ids, mask = _left_pad(seqs)
+    ids, mask = left_pad(seqs)
     pos = (mask.cumsum(-1) - 1).clamp_min(0)
     with torch.no_grad():
         padded = model(ids, attention_mask=mask, position_ids=pos).logits
@@ -179,7 +170,7 @@ def test_generate_equals_greedy_full_forwards(family, method, opts):
     model = apply(tiny_model(family), method, **opts)
     model.generation_config.pad_token_id = 0
     g = torch.Generator().manual_seed(7)
-    ids, mask = _left_pad([torch.randint(3, 101, (n,), generator=g) for n in (9, 5)])
+    ids, mask = left_pad([torch.randint(3, 101, (n,), generator=g) for n in (9, 5)])
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None)
         seq, m = ids.clone(), mask.clone()
@@ -247,21 +238,7 @@ def test_deepseek_layer_equals_qklab_mla(version, q_lora, interleave, method, op
 @pytest.mark.parametrize("method, opts", [("none", {}), ("qknorm", {}), ("softcap", {"cap": 2.0})])
 def test_deepseek_generate_and_padding(method, opts):
     model = apply(_deepseek(), method, **opts)
-    model.generation_config.pad_token_id = 0
-    g = torch.Generator().manual_seed(7)
-    seqs = [torch.randint(3, 101, (n,), generator=g) for n in (9, 5)]
-    ids, mask = _left_pad(seqs)
-    with torch.no_grad():
-        padded = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits
-        alone = model(seqs[1].unsqueeze(0)).logits[0]
-        torch.testing.assert_close(padded[1, 4:], alone, atol=1e-4, rtol=1e-4)
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
-        seq, m = ids.clone(), mask.clone()
-        for _ in range(8):
-            logits = model(seq, attention_mask=m, position_ids=(m.cumsum(-1) - 1).clamp_min(0), use_cache=False).logits
-            nxt = logits[:, -1].argmax(-1, keepdim=True)
-            seq, m = torch.cat([seq, nxt], 1), torch.cat([m, torch.ones_like(nxt)], 1)
-    assert torch.equal(out, seq)
+    check_padded_generation(model)
 
 
 def test_deepseek_refuses_qkmap():

@@ -17,8 +17,8 @@ from qklab.errors import ConfigError  # noqa: E402
 from qklab.hf import apply, find_layers  # noqa: E402
 from qklab.hf.apply import method_options  # noqa: E402
 from qklab.model import Attention, Rope  # noqa: E402
-from tests.hf.common import HKV, C, H, tiny_model  # noqa: E402
-from tests.hf.test_apply import _causal, _left_pad, _rotary  # noqa: E402
+from tests.hf.common import HKV, C, H, check_padded_generation, tiny_model  # noqa: E402
+from tests.hf.test_apply import _causal, _rotary  # noqa: E402
 
 D = C // H
 SINKS = torch.tensor([-1.0, 0.0, 1.5, 3.0])  # away from the init (0): heads that give the sink little and much
@@ -145,20 +145,7 @@ def test_new_parameters_are_initialised_as_qklab_does():
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_generate_and_left_padding(family):
     model = _patched(family, "none", "element", True)
-    model.generation_config.pad_token_id = 0
-    g = torch.Generator().manual_seed(7)
-    seqs = [torch.randint(3, 101, (n,), generator=g) for n in (9, 5)]
-    ids, mask = _left_pad(seqs)
-    with torch.no_grad():
-        padded = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits
-        torch.testing.assert_close(padded[1, 4:], model(seqs[1].unsqueeze(0)).logits[0], atol=1e-4, rtol=1e-4)
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
-        seq, m = ids.clone(), mask.clone()
-        for _ in range(8):
-            logits = model(seq, attention_mask=m, position_ids=(m.cumsum(-1) - 1).clamp_min(0), use_cache=False).logits
-            nxt = logits[:, -1].argmax(-1, keepdim=True)
-            seq, m = torch.cat([seq, nxt], 1), torch.cat([m, torch.ones_like(nxt)], 1)
-    assert torch.equal(out, seq)
+    check_padded_generation(model)
 
 
 def test_qwen3_keeps_its_own_qk_norms():
