@@ -27,25 +27,28 @@ ALPHA = 0.05
 MIN_SEEDS = min_seeds(ALPHA)  # 6: with n seeds the smallest two-sided sign-flip p is 2 / 2^n, 0.0625 at n = 5
 
 VERDICT_RULE = (
-    "Verdict rule. A paired claim (a mean difference over seeds, each seed pairing the two methods) is tested "
-    "against zero, or against its stated margin, by the exact sign-flip (permutation) test over seeds: the "
-    "two-sided p-value is the share of all 2^n sign assignments of the paired differences whose mean is at "
-    "least as far from zero as the observed one. The claims of one paper form one family (QK-MAP's claims "
-    "one, QuacK's another), and within each family the sign-flip p-values of its paired claims (every paired "
-    "claim that could be measured, whatever its number of seeds) are adjusted by Holm's step-down method "
-    "(family-wise error; the verdicts use it) and by Benjamini-Hochberg (false discovery rate; shown as a "
-    f"column, not used by the verdicts). A claim with fewer than {MIN_SEEDS} paired seeds is **underpowered**: "
-    "with n seeds the smallest two-sided sign-flip p is 2/2^n, which is not below alpha = "
-    f"{ALPHA:g} for n < {MIN_SEEDS}, so no outcome could support or refute it. Otherwise it is **agree** when "
-    f"the Holm-adjusted p is below {ALPHA:g} and the whole 95% t-interval lies on the claimed side of zero "
-    "(or of the margin), **disagree** when the Holm-adjusted p is below it and the interval lies on the other "
-    "side, and **inconclusive** else. Claims read from the learning-rate grid (the highest rate with no "
-    "diverged seed) are not a test over seeds: they keep the grid rule, stay outside the families, and their "
-    "verdict is the same under both rules. **not measurable**: the study has no cells, probes or rate grid "
-    "that could test it. The effect size is (mean difference - margin) / sd of the differences; for the "
-    "logit claims the statistics are of log10 of the ratio. The column 'verdict (old rule)' gives the rule "
-    "used before, for comparison: agree or disagree when the whole 95% t-interval lies on one side, "
-    "inconclusive when it contains zero (or the margin) or one seed was run.")
+    'Verdict rule. A paired claim (a mean difference over seeds, each seed pairing the two methods) is tested'
+    ' against zero, or against its stated margin, by the exact sign-flip (permutation) test over seeds: the '
+    'two-sided p-value is the share of all 2^n sign assignments of the paired differences whose mean is at '
+    'least as far from zero as the observed one. Only the claims a study registered in its [claims] before '
+    'its first cell (or in the open since, with qklab study amend) get a verdict; the others are '
+    '**exploratory**: their numbers describe, they do not test. The registered claims of one family (by '
+    "default one paper's: QK-MAP's claims one, QuacK's another) have their sign-flip p-values (every paired "
+    "claim that could be measured, whatever its number of seeds) adjusted by Holm's step-down method "
+    '(family-wise error; the verdicts use it) and by Benjamini-Hochberg (false discovery rate; shown as a '
+    f'column, not used by the verdicts). A claim with fewer than {MIN_SEEDS} paired seeds is **underpowered**:'
+    f' with n seeds the smallest two-sided sign-flip p is 2/2^n, which is not below alpha = {ALPHA:g} for n < '
+    f'{MIN_SEEDS} (a claim registered at another alpha uses its own), so no outcome could support or refute '
+    'it. Otherwise it is **agree** when the Holm-adjusted p is below alpha and the whole 95% t-interval lies '
+    'on the claimed side of zero (or of the margin), **disagree** when the Holm-adjusted p is below it and '
+    'the interval lies on the other side, and **inconclusive** else. Claims read from the learning-rate grid '
+    '(the highest rate with no diverged seed, or the registered stability rule) are not a test over seeds: '
+    'they keep the grid rule, stay outside the families, and their verdict is the same under both rules. '
+    '**not measurable**: the study has no cells, probes or rate grid that could test it. The effect size is '
+    '(mean difference - margin) / sd of the differences; for the logit claims the statistics are of log10 of '
+    "the ratio. The column 'verdict (old rule)' gives the rule used before, for comparison: agree or disagree"
+    ' when the whole 95% t-interval lies on one side, inconclusive when it contains zero (or the margin) or '
+    'one seed was run.')
 OLD_RULE = "the whole 95% t-interval on one side of zero (or of the margin); no seed count, no multiplicity correction"
 
 
