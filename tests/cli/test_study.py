@@ -39,7 +39,8 @@ def test_status_lists_done_and_todo(tmp_path, capsys):
     assert main(["study", "status", str(f), "--out", str(tmp_path / "o"), "--results", str(res)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split()[:2] == ["a_lr1_s0", "done"] and out[1].split()[:2] == ["a_lr1_s1", "todo"]
-    assert out[-1].startswith("st: 1/2 cells done")
+    assert out[-2].startswith("st: 1/2 cells done")
+    assert out[-1] == "plan: no claims registered (every claim of its report is exploratory)"
 
 
 def test_cell_hash_ignores_defaults_and_upgrades_legacy_results(tmp_path, monkeypatch):
