@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from qklab.study.analyze import best_select, highest_within
+from qklab.study.analyze import best_by_place, highest_within, place
 from qklab.study.plan import CATALOGUE, defaults, registered_plan, stored_plan
 from qklab.study.stats import benjamini_hochberg, difference_stats, fmt_ci, holm, min_seeds, paired_difference
 
@@ -179,16 +179,13 @@ def _stable_rate(a: tuple, b: tuple) -> Callable:
     def _stable(groups, p):
         rule, delta = p.get("stable", "entropy"), p.get("delta", 0.1)
 
-        top: dict[tuple, float] = {}  # (study, point) -> the best variant's selection loss (this attention)
-        for g in groups:
-            if g["attention"] == a[0] and math.isfinite(x := best_select(g)):
-                top[(g["study"], g["point"])] = min(top.get((g["study"], g["point"]), math.inf), x)
+        top = best_by_place(groups)  # (study, point, attention) -> the best variant's selection loss
 
         def holds(g):
             if rule == "entropy":
                 return g["highest_stable"]
             if rule == "near-best":
-                return highest_within(g, delta, top.get((g["study"], g["point"])))
+                return highest_within(g, delta, top.get(place(g)))
             return highest_within(g, delta)
 
         pairs, why = _places(groups, a, b)

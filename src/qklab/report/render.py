@@ -15,7 +15,7 @@ from qklab.report.claims import VERDICT_RULE, claims_table
 from qklab.report.figures import colours, draw, figure_data, variant_name
 from qklab.report.html import page
 from qklab.report.probes import probes_tables
-from qklab.study.analyze import DELTA, analyze, best_select, highest_within, load_results
+from qklab.study.analyze import DELTA, analyze, best_by_place, best_select, highest_within, load_results, place
 from qklab.study.plan import stored_plan
 from qklab.study.result import DIVERGENCE_RULE, write_json_atomic
 from qklab.study.stats import fmt_ci, fmt_mean_std
@@ -168,14 +168,10 @@ def stable_rates_table(groups: list[dict], studies: dict[str, dict]) -> Table:
     (study, grid point, attention type). Delta: the study's registered one, else the default."""
     head = ["variant", "attn", "study", "delta (nats)", "best selection loss", "highest stable: entropy rule",
             "highest stable: delta rule", "highest within delta of the best variant"]
-    best: dict[tuple, float] = {}
-    for g in groups:
-        k, b = (g["study"], g["point"], g["attention"]), best_select(g)
-        if math.isfinite(b):
-            best[k] = min(best.get(k, math.inf), b)
+    best = best_by_place(groups)
     rows = []
     for g in groups:
-        d, b = _delta(studies.get(g["study"])), best.get((g["study"], g["point"], g["attention"]))
+        d, b = _delta(studies.get(g["study"])), best.get(place(g))
 
         def rate(m, g=g):
             return f"{g['sweep'][m]['lr']:.3g} (x{m:g})" if m is not None else "none"

@@ -164,16 +164,26 @@ def highest_within(g: dict, delta: float, best: float | None = None) -> float | 
     return max(ok) if ok else None
 
 
+def place(g: dict) -> tuple[str, str, str]:
+    """Where a group's variants compete: its study, grid point and attention type."""
+    return g["study"], g["point"], g["attention"]
+
+
+def best_by_place(groups: list[dict]) -> dict[tuple, float]:
+    """place -> the lowest best_select of its groups (places where no group holds anywhere are absent)."""
+    best: dict[tuple, float] = {}
+    for g in groups:
+        if math.isfinite(b := best_select(g)):
+            best[place(g)] = min(best.get(place(g), math.inf), b)
+    return best
+
+
 def stability(groups: list[dict], delta: float = DELTA) -> None:
     """Each group's ``stable``: its highest holding rate by the entropy rule and by the delta rule, and
     ``near_best``, the highest rate within delta of the best variant at its place (study, point, attention)."""
-    best: dict[tuple, float] = {}
+    best = best_by_place(groups)
     for g in groups:
-        k, b = (g["study"], g["point"], g["attention"]), best_select(g)
-        if math.isfinite(b):
-            best[k] = min(best.get(k, math.inf), b)
-    for g in groups:
-        b = best.get((g["study"], g["point"], g["attention"]))
+        b = best.get(place(g))
         g["stable"] = {"entropy": g["highest_stable"], "delta": highest_within(g, delta), "delta_value": delta,
                        "near_best": highest_within(g, delta, b) if b is not None else None}
 
