@@ -143,7 +143,8 @@ def planted(tmp_path, monkeypatch):
     cells = [[res / "qkmap_lr1_s0" / "result.json", res / "none_lr1_s0" / "result.json"],
              [res / "quack_lr2_s1" / "result.json"], [res / "mla-quack_lr1_s2" / "result.json"], None]
     rows = [{**r, **({"cells": [str(p) for p in c]} if c else {})} for r, c in zip(PLANTED, cells, strict=True)]
-    monkeypatch.setattr(render, "claims_table", lambda groups, studies=None: [dict(r) for r in rows])
+    monkeypatch.setattr(render, "claims_table", lambda groups, studies=None, registered_groups=None:
+                         [dict(r) for r in rows])
     out = write_report([res], out=tmp_path / "rep")
     return out, (out / "report.md").read_text(), cells
 

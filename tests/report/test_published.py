@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from qklab.report.render import claims_rows
+from qklab.report.claims import claims_table
+from qklab.report.render import claims_rows, registered_groups
 from qklab.study.analyze import analyze, load_results
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
@@ -130,7 +131,7 @@ ROOT = RESULTS.parents[1]
 COMMITTED = sorted(str(p.parent.relative_to(RESULTS)) for p in RESULTS.rglob("report/report.json"))
 
 
-def _rebuilt_tables(report: Path) -> tuple[dict, dict]:
+def _rebuilt_tables(report: Path) -> tuple[dict, list, dict, list | None]:
     """The committed report.json's tables, and what the current code makes of the result files it was
     built from: the folders it names (else the one beside it), only the cells it names where it names
     them (a combined report is a snapshot while a study goes on), every one of which must still be there."""
@@ -145,7 +146,7 @@ def _rebuilt_tables(report: Path) -> tuple[dict, dict]:
     groups = analyze(results, studies)["groups"]
     for g in groups:
         g["multi"] = len(studies) > 1
-    return committed["tables"], groups, studies
+    return committed["tables"], groups, studies, registered_groups(results, studies)
 
 
 @pytest.mark.parametrize("folder", COMMITTED)
@@ -156,8 +157,9 @@ def test_every_committed_report_matches_its_results(folder):
     published number."""
     from qklab.report.render import results_table
 
-    tables, groups, studies = _rebuilt_tables(RESULTS / folder / "report.json")
-    for name, (head, body) in (("claims", claims_rows(groups, studies=studies)), ("results", results_table(groups))):
+    tables, groups, studies, first = _rebuilt_tables(RESULTS / folder / "report.json")
+    claims = claims_rows(groups, claims_table(groups, studies, first))
+    for name, (head, body) in (("claims", claims), ("results", results_table(groups))):
         assert [tables[name]["head"], tables[name]["rows"]] == [head, body], f"{folder}: {name} table"
 
 

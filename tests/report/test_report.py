@@ -458,3 +458,23 @@ def test_new_rule_uses_holm_across_the_papers_claims(tmp_path):
     got = dict(zip(head, row, strict=True))
     assert got["verdict"] == "**agree**" and got["verdict (old rule)"] == "agree" and got["n"] == "8"
     assert got["p (sign-flip)"] == f"{2 / 256:.3g}" and got["p Holm (sign-flip)"] == f"{10 / 256:.3g}"
+
+
+def test_a_chosen_rate_at_an_end_of_its_grid_is_marked():
+    from qklab.report.render import grid_edge
+
+    sweep = {0.5: {}, 1.0: {}, 2.0: {}}
+    assert [grid_edge(m, sweep) for m in (0.5, 1.0, 2.0)] == [", bottom of grid", "", ", top of grid"]
+    assert grid_edge(2.0, {1.0: {}, 2.0: {}}) == ""  # two rates: no interior to compare with
+
+
+def test_a_design_amendment_is_named_in_the_header():
+    from qklab.report.render import _design_amendments
+    from qklab.study.plan import amend, parse_plan
+
+    plan = parse_plan({"qkmap.val_vs_none": {}})
+    sj = {"name": "p", "plan": {"claims": plan}, "protocol": {"lr_mults": [1.0]}, "cells": ["a", "b"]}
+    out = amend(sj, plan, "edge", {"name": "p", "protocol": {"lr_mults": [1.0, 2.0]}, "cells": ["a", "b", "c", "d"]})
+    line = _design_amendments(out)
+    assert "protocol.lr_mults, cells (edge)" in line and "registered design too (its 2 cells)" in line
+    assert _design_amendments(sj) == ""

@@ -12,19 +12,30 @@ import pytest
 
 from qklab.cli import main
 from qklab.config import ConfigError
-from qklab.report.claims import claims_table
-from qklab.study.plan import CATALOGUE, amend, check_plan, parse_plan, plan_hash, registered_plan, stored_plan
+from qklab.report.claims import claims_table, registered_results
+from qklab.study.plan import (
+    CATALOGUE,
+    amend,
+    check_plan,
+    design,
+    parse_plan,
+    plan_hash,
+    registered_design,
+    registered_plan,
+    stored_plan,
+)
 from qklab.study.result import read_result
 
 SETS = {"train.steps": 4, "train.lr": 1e-2, "train.eval_every": 2, "train.ckpt_every": 2, "train.diag_every": 0,
         "data.max_files": 20}
 
 
-def _file(tmp_path, claims: str) -> str:
+def _file(tmp_path, claims: str, protocol: str = "") -> str:
     f = tmp_path / "p.toml"
     sets = "".join(f'"{k}" = {json.dumps(v)}\n' for k, v in {**SETS, "data.cache_dir": str(tmp_path / "cache")}.items())
     f.write_text(f'[study]\nname = "p"\nconfig = "tiny"\nseeds = [0]\n[study.set]\n{sets}'
-                 f'[variants.none]\n"qk.method" = "none"\n[variants.qkmap]\n"qk.method" = "qkmap"\n{claims}')
+                 f'[variants.none]\n"qk.method" = "none"\n[variants.qkmap]\n"qk.method" = "qkmap"\n'
+                 + (f"[protocol]\n{protocol}\n" if protocol else "") + claims)
     return str(f)
 
 
@@ -98,6 +109,50 @@ def test_plan_change_after_results_is_refused_until_amended(tmp_path, capsys):
     f = _file(tmp_path, PLAN_B)
     assert _run(tmp_path, f) == 0  # the amended plan is the study's now
     assert main(["study", "amend", f, "--out", str(tmp_path / "o"), "--why", "again"]) == 2  # nothing to amend
+
+
+def test_design_change_after_results_is_refused_until_amended(tmp_path, capsys):
+    """One more rate on the grid after results is a change of design: refused in one line, then recorded by
+    amend (old and new design, what changed), with the registered plan read on the registered cells."""
+    f = _file(tmp_path, PLAN_A, "lr_mults = [1.0]")
+    assert _run(tmp_path, f) == 0
+    res = tmp_path / "o" / "results"
+    before = (res / "study.json").read_bytes()
+    f = _file(tmp_path, PLAN_A, "lr_mults = [1.0, 2.0]")
+    capsys.readouterr()
+    assert _run(tmp_path, f) == 2
+    err = capsys.readouterr().err.strip()
+    assert "changes its design (protocol.lr_mults, cells) after 2 cell(s)" in err and "\n" not in err
+    assert (res / "study.json").read_bytes() == before
+    capsys.readouterr()
+    assert main(["study", "status", f, "--out", str(tmp_path / "o")]) == 0
+    assert "the file's design differs (protocol.lr_mults, cells): a run is refused" in capsys.readouterr().out
+    assert main(["study", "amend", f, "--out", str(tmp_path / "o"), "--why", "the best rate sat on the edge"]) == 0
+    assert "design changed (protocol.lr_mults, cells)" in capsys.readouterr().out
+    sj = read_result(res / "study.json")
+    (entry,) = sj["plan_history"]
+    assert entry["old"] == entry["new"] == sj["plan"]  # the claims stay registered as they were
+    assert entry["design"]["changed"] == ["protocol.lr_mults", "cells"]
+    assert entry["design"]["old"]["cells"] == ["none_lr1_s0", "qkmap_lr1_s0"]
+    assert registered_design(sj)["protocol"]["lr_mults"] == [1.0]
+    assert design(sj)["protocol"]["lr_mults"] == [1.0, 2.0]
+    assert _run(tmp_path, f) == 0  # the amended design is the study's now: its new cells train
+    assert sorted(p.name for p in res.iterdir() if (p / "result.json").is_file()) == [
+        "none_lr1_s0", "none_lr2_s0", "qkmap_lr1_s0", "qkmap_lr2_s0"]
+    results = [read_result(p) for p in sorted(res.glob("*/result.json"))]
+    first = registered_results(results, {"p": sj})
+    assert sorted(r["cell"] for r in first) == ["none_lr1_s0", "qkmap_lr1_s0"]
+    assert registered_results(results, {"p": {**sj, "plan_history": []}}) is None  # no design moved
+
+
+def test_the_registered_plan_is_read_on_the_registered_designs_groups():
+    now = _groups("p", [-0.3, -0.25, -0.35, -0.3, -0.28, -0.32])  # the amended grid: qkmap ahead at every seed
+    first = _groups("p", [0.3, -0.25, 0.35, -0.3, 0.28, -0.32])  # the registered one: mixed signs
+    a = parse_plan({"qkmap.val_vs_none": {}})
+    sj = amend({"name": "p", "plan": {"claims": a}, "cells": ["x"]}, a, "grid", {"name": "p", "cells": ["x", "y"]})
+    r = {r["id"]: r for r in claims_table(now, {"p": sj}, first)}["qkmap.val_vs_none"]
+    assert r["amended"] and r["verdict"] == "agree" and r["verdict_registered"] == "inconclusive"
+    assert r["measured_registered"] != r["measured"]
 
 
 def test_before_any_result_the_plan_may_change_freely(tmp_path):

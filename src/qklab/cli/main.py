@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("action", choices=["run", "status", "verify", "amend"],
                     help="run: train the cells not done; status: list them; verify: retrain committed cells of a "
                     "results folder from their recorded config and compare bit for bit; amend: replace the "
-                    "registered [claims] of a study that has results by the file's, in the open (--why)")
+                    "registered [claims] and design (seeds, grid, variants) of a study that has results by the file's, "
+                    "in the open (--why)")
     st.add_argument("file", help="study file, e.g. studies/demo.toml (verify: a results folder, e.g. docs/results/x)")
     st.add_argument("--workers", type=WORKERS, default=None, help="cells in parallel (default: the study's, else 1)")
     st.add_argument("--threads", type=THREADS, default=None,
@@ -179,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--cells", type=_count(1, "verify 1 or more cells"), default=1,
                     help="verify: how many finished cells to retrain, drawn at random (default 1)")
     st.add_argument("--seed", type=int, default=None, help="verify: the seed of the random draw")
-    st.add_argument("--why", default=None, help="amend: why the registered claims change (kept in study.json)")
+    st.add_argument("--why", default=None,
+                    help="amend: why the registered claims or design change (kept in study.json)")
     st.add_argument("--allow-dirty", action="store_true",
                     help="run from a checkout with uncommitted changes; their diff is stored with the results "
                     "(<results>/provenance/) and named in each result.json (also: QKLAB_ALLOW_DIRTY=1)")

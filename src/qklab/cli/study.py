@@ -8,6 +8,7 @@ Outside a git checkout (an installed wheel) the commit is "unknown" and nothing 
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 from pathlib import Path
@@ -92,7 +93,22 @@ def _status(study: Study, results: Path) -> int:
 
 
 def plan_status(study: Study, results: Path) -> str:
-    """One line: the registered plan (hash, time, amendments) against the study file's."""
+    """One line: the registered plan (hash, time, amendments) and design against the study file's."""
+    line = _plan_line(study, results)
+    from qklab.study.plan import design, design_changes
+    from qklab.study.result import read_json
+    from qklab.study.runner import n_results
+
+    data, problem = read_json(results / "study.json")
+    data = data if problem is None and isinstance(data, dict) else {}
+    moved = design_changes(design(data), design(json.loads(json.dumps(study.to_dict(), default=str))))
+    if design(data) and moved and n_results(results) and data.get("plan"):
+        line += (f"; the file's design differs ({', '.join(moved)}): a run is refused until qklab study amend "
+                 "records the change")
+    return line
+
+
+def _plan_line(study: Study, results: Path) -> str:
     from qklab.study.plan import plan_hash, stored_plan
     from qklab.study.result import read_json
     from qklab.study.runner import n_results
@@ -133,12 +149,15 @@ def _amend(study: Study, results: Path, why: str | None) -> int:
     from qklab.study.runner import amend_plan
 
     if why is None:
-        raise ConfigError("amend needs --why \"...\": the reason the registered claims change")
+        raise ConfigError("amend needs --why \"...\": the reason the registered claims or design change")
     data = amend_plan(study, results, why)
     entry = data["plan_history"][-1]
     old, new = (entry.get(k) or {} for k in ("old", "new"))
+    moved = (entry.get("design") or {}).get("changed")
     print(f"amended the plan of {study.name} in {results / 'study.json'}: {len(old.get('claims', {}))} -> "
-          f"{len(new.get('claims', {}))} registered claim(s), {len(data['plan_history'])} amendment(s) on record")
+          f"{len(new.get('claims', {}))} registered claim(s)"
+          + (f", design changed ({', '.join(moved)})" if moved else "")
+          + f", {len(data['plan_history'])} amendment(s) on record")
     return 0
 
 

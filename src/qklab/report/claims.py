@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from qklab.study.analyze import best_by_place, highest_within, place
-from qklab.study.plan import CATALOGUE, defaults, registered_plan, stored_plan
+from qklab.study.plan import CATALOGUE, defaults, design, registered_design, registered_plan, stored_plan
 from qklab.study.stats import benjamini_hochberg, difference_stats, fmt_ci, holm, min_seeds, paired_difference
 
 COMPETITIVE_MARGIN = 0.05  # nats: "competitive" = not worse by more than this (upper 95% bound)
@@ -466,14 +466,17 @@ def _table(groups: list[dict], plans: dict[str, dict] | None) -> list[dict[str, 
     return rows
 
 
-def claims_table(groups: list[dict[str, Any]], studies: dict[str, dict] | None = None) -> list[dict[str, Any]]:
+def claims_table(groups: list[dict[str, Any]], studies: dict[str, dict] | None = None,
+                 registered_groups: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """One row per claim: verdict and reason by VERDICT_RULE, the old rule's verdict (verdict_old), and the
     statistics of a paired claim (stats: None for the others) with its family's Holm and BH adjustments
     of the sign-flip p-value (p_holm, q_bh), the result files it read (cells), its status (confirmatory:
     registered in a study's [claims]; exploratory) and, for a claim of a study whose plan was amended
     after results, ``amended`` and its verdict under the plan first registered (verdict_registered).
     ``studies`` (name -> study.json, as the report reads them): None reads every claim as registered with
-    the catalogue's parameters (the verdict rule on its own)."""
+    the catalogue's parameters (the verdict rule on its own). ``registered_groups``: the groups of the cells
+    of each study's registered design (``registered_results``), when an amendment changed a design; the
+    verdicts under the registered plan are read on them."""
     if studies is None:
         return _table(groups, None)
     now = {name: stored_plan(s) for name, s in studies.items()}
@@ -481,7 +484,7 @@ def claims_table(groups: list[dict[str, Any]], studies: dict[str, dict] | None =
     amended = {name for name, s in studies.items() if s.get("plan_history")}
     if amended:
         first = {name: registered_plan(s) if name in amended else now[name] for name, s in studies.items()}
-        before = {r["id"]: r for r in _table(groups, first)}
+        before = {r["id"]: r for r in _table(groups if registered_groups is None else registered_groups, first)}
         for r in rows:
             b = before[r["id"]]
             if r["study"] in amended or b["study"] in amended:
@@ -489,3 +492,14 @@ def claims_table(groups: list[dict[str, Any]], studies: dict[str, dict] | None =
                 r["verdict_registered"], r["reason_registered"] = b["verdict"], b["reason"]
                 r["measured_registered"] = b["measured"]
     return rows
+
+
+def registered_results(results: list[dict[str, Any]], studies: dict[str, dict]) -> list[dict[str, Any]] | None:
+    """The results of each study's registered design: a study whose design an amendment changed keeps only
+    the cells its first design named. None when no design was changed."""
+    first = {name: registered_design(s).get("cells") for name, s in studies.items()}
+    moved = {name for name, s in studies.items() if first[name] != design(s).get("cells")}
+    if not moved:
+        return None
+    keep = {name: set(first[name] or []) for name in moved}
+    return [r for r in results if r.get("study") not in moved or r.get("cell") in keep[r.get("study")]]

@@ -11,7 +11,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from qklab.errors import ReportError
-from qklab.report.claims import VERDICT_RULE, claims_table
+from qklab.report.claims import VERDICT_RULE, claims_table, registered_results
 from qklab.report.figures import colours, draw, figure_data, variant_name
 from qklab.report.html import page
 from qklab.report.probes import probes_tables
@@ -63,6 +63,14 @@ def _paths(g: dict | None, mult: float | None = None) -> list[str]:
     return [c["path"] for m in ms for c in sorted(cells[m], key=lambda c: c["seed"])]
 
 
+def grid_edge(mult: float, sweep: dict) -> str:
+    """", top of grid" / ", bottom of grid" for a chosen rate at an end of its variant's grid (of 3 rates or
+    more: its optimum may lie beyond); "" else."""
+    if len(sweep) < 3:
+        return ""
+    return ", top of grid" if mult == max(sweep) else ", bottom of grid" if mult == min(sweep) else ""
+
+
 def results_table(groups: list[dict]) -> Table:
     head = ["variant", "attn", "method", "controller", "lr (chosen)", "n", "selection loss", "report loss",
             "95% CI", "vs reference (paired)", "95% CI", "bootstrap 95%", "p", "max logit", "first token",
@@ -76,7 +84,8 @@ def results_table(groups: list[dict]) -> Table:
         div = sum(s["diverged"] for s in sw.values())
         rows.append([
             variant_name(g), g["attention"], g["method"] or "-",
-            g["controller"] or "-", f"{g['chosen_lr']:.3g} (x{ch:g})" if ch is not None else "none eligible",
+            g["controller"] or "-", f"{g['chosen_lr']:.3g} (x{ch:g}{grid_edge(ch, sw)})" if ch is not None
+            else "none eligible",
             str(st["report_loss"]["n"]), fmt_mean_std(sel) if sel else "-", fmt_mean_std(st["report_loss"]),
             fmt_ci(st["report_loss"]["ci_lo"], st["report_loss"]["ci_hi"]),
             f"{d['mean']:+.3f} vs {g['reference']}" if d and d["n"] else "-",
@@ -346,17 +355,30 @@ def _header(analysis: dict, dirs: list[str], results: list[dict]) -> list[str]:
         lines.append(f"- `{name}`:{_progress(name, s, results)} base config `{s.get('config')}`, seeds "
                      f"{s.get('seeds')}, rate multiples {p.get('lr_mults')}{per_variant}, reference "
                      f"{p.get('reference')}, batch order seed {p.get('data_seed')} (every cell sees the same "
-                     "tokens in the same order).")
+                     "tokens in the same order)." + _design_amendments(s))
     lines += ["",
               "Protocol: each variant's learning rate is chosen on the *selection* half of the held-out text "
               "(lowest mean final loss over seeds among rates where no seed diverged); every reported loss comes "
               "from the *report* half, read once at the end. Intervals are 95% t-intervals over seeds; paired "
               "differences compare two variants on the same seeds, each at its own chosen rate (paired t-test "
               "and a percentile bootstrap over seeds; in the claims table also the exact sign-flip test, "
-              "adjusted across each paper's claims).", "",
+              "adjusted across each paper's claims). A chosen rate at the top or bottom of its variant's grid (of "
+              "three rates or more) is marked so: its optimum may lie beyond the grid.", "",
               f"Divergence rule: {DIVERGENCE_RULE}."]
     lines += code_lines(results)  # per study (analysis["git_shas"] keeps the HEAD each cell recorded)
     return lines
+
+
+def _design_amendments(study_json: dict) -> str:
+    """" Its design was amended ...": what each design amendment changed, and why, from plan_history."""
+    hist = study_json.get("plan_history") if isinstance(study_json.get("plan_history"), list) else []
+    moved = [e for e in hist if isinstance(e, dict) and isinstance(e.get("design"), dict)]
+    if not moved:
+        return ""
+    parts = [f"{e.get('at', '?')}: {', '.join(e['design'].get('changed') or [])} ({e.get('why', '')})" for e in moved]
+    n_first = len((moved[0]["design"].get("old") or {}).get("cells") or [])
+    return (f" Its design was amended after results, in the open: {'; '.join(parts)}. The claims are read under "
+            f"the registered design too (its {n_first} cells).")
 
 
 def code_version_of(r: dict) -> str:
@@ -380,6 +402,18 @@ def code_lines(results: list[dict]) -> list[str]:
                 "by different code may differ for that reason alone." if len(versions) > 1 else "")
         out += ["", f"Code versions of `{study or '?'}` (cells): {listed}.{warn}"]
     return out
+
+
+def registered_groups(results: list[dict], studies: dict[str, dict]) -> list[dict] | None:
+    """The analysis groups of the cells of each study's registered design, when an amendment changed one
+    (the claims under the registered plan are read on them); None else."""
+    first = registered_results(results, studies)
+    if first is None:
+        return None
+    groups = analyze(first, studies)["groups"]
+    for g in groups:
+        g["multi"] = len(studies) > 1
+    return groups
 
 
 def write_report(dirs: list[str | Path], out: str | Path | None = None, title: str = "qklab report",
@@ -410,7 +444,8 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
     names = list(dict.fromkeys(g["study"] for g in groups))  # one grid table per study, in report order
     grids = {f"grid {n}": grid_table([g for g in groups if g["study"] == n]) for n in names}
     probes = probes_tables(groups)
-    claim_rows = claims_table(groups, studies)  # each study's registered plan: confirmatory or not
+    # each study's registered plan: confirmatory or not (an amended design: also on the registered cells)
+    claim_rows = claims_table(groups, studies, registered_groups(results, studies))
     tables = {"results": results_table(groups), **grids, **probes, "sensitivity": sensitivity_table(groups),
               "throughput": throughput_table(groups), "claims": claims_rows(groups, claim_rows),
               "stability": stability_table(groups), "stable_rates": stable_rates_table(groups, studies),

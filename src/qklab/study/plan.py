@@ -18,6 +18,13 @@ the family. Its hash is of those parameters. A study whose results folder alread
 change its plan without ``qklab study amend FILE --why``, which keeps the old plan, the new one, the
 reason and the time in ``study.json`` (``plan_history``); the report marks every verdict read under an
 amended plan and gives it under both. Claims a study did not register are exploratory.
+
+The design is registered with a plan: the base config, seeds, settings, grid, variants, protocol (the
+rate grid among them) and the cells they make, as ``study.json`` records them. Once results are in, a
+changed design (one more rate, a dropped seed) is refused like a changed plan, and ``study amend`` keeps
+the old design and the new one in the same history; the report then reads the registered plan on the
+cells of the registered design too. A study that registers no claims may change its design freely (its
+report is exploratory).
 """
 
 from __future__ import annotations
@@ -207,6 +214,52 @@ def registered_plan(study_json: dict[str, Any] | None) -> dict[str, dict[str, An
     return stored_plan(study_json)
 
 
+DESIGN_KEYS = ("config", "seeds", "set", "grid", "variants", "protocol", "cells")
+
+
+def design(study_dict: dict[str, Any] | None) -> dict[str, Any]:
+    """The design a study.json (or ``Study.to_dict()``, as JSON) records: the entries of DESIGN_KEYS it has."""
+    return {k: (study_dict or {})[k] for k in DESIGN_KEYS if k in (study_dict or {})}
+
+
+def design_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The design entries (DESIGN_KEYS) whose values differ; for a protocol, its own keys (``protocol.lr_mults``)."""
+    out = []
+    for k in DESIGN_KEYS:
+        a, b = old.get(k), new.get(k)
+        if a == b:
+            continue
+        if k == "protocol" and isinstance(a, dict) and isinstance(b, dict):
+            out += [f"protocol.{p}" for p in dict.fromkeys([*a, *b]) if a.get(p) != b.get(p)]
+        else:
+            out.append(k)
+    return out
+
+
+def registered_design(study_json: dict[str, Any] | None) -> dict[str, Any]:
+    """The design first on record (before any amendment of it)."""
+    hist = (study_json or {}).get("plan_history")
+    for entry in hist if isinstance(hist, list) else []:
+        rec = entry.get("design") if isinstance(entry, dict) else None
+        if isinstance(rec, dict) and isinstance(rec.get("old"), dict):
+            return rec["old"]
+    return design(study_json)
+
+
+def check_design(study_json: dict[str, Any] | None, want: dict[str, Any], n_results: int) -> None:
+    """A ConfigError when the study file's design (``want``: ``Study.to_dict()`` as JSON) differs from the one
+    study.json records after results are in, for a study that registered claims (no claims registered, no
+    design recorded, or no result yet: the file's design holds, and cells of a changed config train again)."""
+    old = design(study_json)
+    if not old or n_results == 0 or stored_plan(study_json) is None:
+        return
+    changed = design_changes(old, design(want))
+    if changed:
+        raise ConfigError(f"the study file changes its design ({', '.join(changed)}) after {n_results} cell(s) of "
+                          "results; record the change in the open with qklab study amend FILE --why \"...\" "
+                          "(the report then reads the registered claims on the registered design's cells too)")
+
+
 def family_power(plan: dict[str, dict[str, Any]] | None, n_seeds: int) -> list[str]:
     """One line per family of registered sign-flip claims that ``n_seeds`` paired seeds cannot resolve: with
     n seeds the smallest two-sided sign-flip p is 2 / 2^n, and Holm's step-down multiplies the smallest p
@@ -241,17 +294,27 @@ def check_plan(study_json: dict[str, Any] | None, plan: dict[str, dict[str, Any]
                       "qklab study amend FILE --why \"...\" (the report then shows the verdicts under both plans)")
 
 
-def amend(study_json: dict[str, Any], plan: dict[str, dict[str, Any]] | None, why: str) -> dict[str, Any]:
-    """study.json with ``plan`` replacing the recorded one; the old plan, the new one, the reason and the time
-    appended to ``plan_history``."""
+def amend(study_json: dict[str, Any], plan: dict[str, dict[str, Any]] | None, why: str,
+          new_design: dict[str, Any] | None = None) -> dict[str, Any]:
+    """study.json with ``plan`` replacing the recorded one, and ``new_design`` (``Study.to_dict()`` as JSON;
+    None: the design stays) the recorded design; the old plan, the new one, the reason, the time and a
+    changed design's old and new entries appended to ``plan_history``."""
     if not isinstance(why, str) or not why.strip():
         raise ConfigError("amend: --why must say why the plan changes, e.g. --why \"the grid moved up one step\"")
-    if plan_hash(stored_plan(study_json)) == plan_hash(plan):
-        raise ConfigError("amend: the study file's claims are the registered ones; nothing to amend")
+    old_design = design(study_json)
+    moved = new_design is not None and bool(design_changes(old_design, design(new_design)))
+    same_plan = plan_hash(stored_plan(study_json)) == plan_hash(plan)
+    if same_plan and not moved:
+        raise ConfigError("amend: the study file's claims and design are the registered ones; nothing to amend")
     out = copy.deepcopy(study_json)
     old = out.get("plan")
-    new = registration(plan) if plan is not None else None
+    new = old if same_plan else registration(plan) if plan is not None else None
+    entry: dict[str, Any] = {"at": _now(), "why": why.strip(), "old": old, "new": new}
+    if moved:
+        entry["design"] = {"old": old_design, "new": design(new_design),
+                           "changed": design_changes(old_design, design(new_design))}
+        out.update(design(new_design))
     hist = out.get("plan_history") if isinstance(out.get("plan_history"), list) else []
-    out["plan_history"] = [*hist, {"at": _now(), "why": why.strip(), "old": old, "new": new}]
+    out["plan_history"] = [*hist, entry]
     out["plan"] = new
     return out

@@ -46,7 +46,7 @@ from tqdm import tqdm
 from qklab.config import ConfigError
 from qklab.rundir.folder import RunLock, RunLockError
 from qklab.study.cell import DONE, publish, run_cell
-from qklab.study.plan import amend, check_plan, family_power, registration
+from qklab.study.plan import amend, check_design, check_plan, family_power, registration
 from qklab.study.result import (
     cell_header,
     failed_result,
@@ -179,12 +179,15 @@ def n_results(results: Path) -> int:
 def _write_study_json(study: Study, results: Path, warn) -> None:
     """``study.json`` as run; an unchanged one is left alone (a committed file stays byte for byte), and the
     code versions it names (``code``) and its plan record are kept. The study file's ``[claims]`` are
-    registered here, before any cell trains; changed after results are in, they are refused (amend)."""
+    registered here, before any cell trains, with the design (seeds, grid, variants, protocol); either
+    changed after results are in is refused (amend)."""
     path = results / "study.json"
     data, problem = read_json(path)
     data = data if problem is None and isinstance(data, dict) else None
-    action = check_plan(data, study.plan, n_results(results))
+    done = n_results(results)
+    action = check_plan(data, study.plan, done)
     want = json.loads(json.dumps(study.to_dict(), default=str))
+    check_design(data, want, done)
     kept = {k: data[k] for k in KEPT if data is not None and k in data}
     if action == "register":
         kept.pop("plan", None)
@@ -200,8 +203,9 @@ def _write_study_json(study: Study, results: Path, warn) -> None:
 
 
 def amend_plan(study: Study, results: Path, why: str) -> dict[str, Any]:
-    """``qklab study amend``: the study file's claims replace the ones its results folder registered; the
-    old and new plan, the reason and the time go into ``plan_history``. Returns the new study.json."""
+    """``qklab study amend``: the study file's claims and design replace the ones its results folder
+    registered; the old and new plan (and design, when it changed), the reason and the time go into
+    ``plan_history``. Returns the new study.json."""
     path = Path(results) / "study.json"
     data, problem = read_json(path)
     if problem == "missing":
@@ -211,7 +215,7 @@ def amend_plan(study: Study, results: Path, why: str) -> dict[str, Any]:
         raise ConfigError(f"amend: {path} is damaged ({problem or 'not an object'})")
     if data.get("name") != study.name:
         raise ConfigError(f"amend: {path} is study '{data.get('name')}', not '{study.name}'")
-    out = amend(data, study.plan, why)
+    out = amend(data, study.plan, why, json.loads(json.dumps(study.to_dict(), default=str)))
     write_json_atomic(path, out)
     return out
 
