@@ -87,12 +87,20 @@ def test_layer_names_cover_every_parameter():
     assert names == set(LAYER_KEYS)
 
 
-@pytest.mark.parametrize("bad, match", [("softcap", "no transformers equivalent"), ("mla", "MHA/GQA")])
+@pytest.mark.parametrize("bad, match", [("softcap", "no transformers equivalent"), ("mla", "MHA/GQA"),
+                                        ("gate", "attn_gate='head' is not supported"),
+                                        ("sink", "attn_sink=true is not supported")])
 def test_export_refuses_what_has_no_equivalent(bad, match, tmp_path):
-    if bad == "mla":
+    """One line each, before anything is written: a gated or sink model's extra parameters would otherwise
+    be dropped from (or break) the Llama folder."""
+    if bad in ("gate", "sink"):
+        model = GPT(ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_layers=1,
+                                **({"attn_gate": "head"} if bad == "gate" else {"attn_sink": True})))
+    elif bad == "mla":
         model = GPT(ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_layers=1, attention="mla"))
     else:
         model = GPT(ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_layers=1),
                     QKConfig(method="softcap", options={"softcap": SoftCapOptions(cap=5.0)}))
-    with pytest.raises(ValueError, match=match):
-        export_pretrained(model, tmp_path)
+    with pytest.raises(ValueError, match=match) as e:
+        export_pretrained(model, tmp_path / "out")
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()

@@ -50,6 +50,10 @@ def hf_config(model: GPT):
     if method not in FAMILY:
         raise ValueError(f"qk.method='{method}' has no transformers equivalent; export none (Llama) or qknorm "
                          "(Qwen3), or run the method in transformers with qklab.hf.apply")
+    if cfg.attn_gate != "none" or cfg.attn_sink:
+        what = f"model.attn_gate='{cfg.attn_gate}'" if cfg.attn_gate != "none" else "model.attn_sink=true"
+        raise ValueError(f"export of {what} is not supported: Llama and Qwen3 folders have no attention gate or "
+                         "sink; to train one in transformers, use qklab.hf.apply(model, ..., attn_gate=, attn_sink=)")
     if cfg.rope_scaling != "none":
         raise ValueError("export of YaRN RoPE is not supported for Llama/Qwen3 folders")
     if method == "qknorm" and model.qk_cfg.opts("qknorm").eps != cfg.norm_eps:
