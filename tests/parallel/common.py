@@ -140,3 +140,53 @@ def assert_ranks_equal(tmp: Path, run: str, mode: str) -> None:
     assert w0 and w0.keys() == w1.keys()
     for k in w0:
         assert torch.equal(w0[k], w1[k]), f"{k} differs between ranks"
+
+
+def muon_grads(rows: int, step: int) -> torch.Tensor:
+    """The planted gradient of an (rows, 8) matrix at ``step``."""
+    return torch.randn(rows, 8, generator=torch.Generator().manual_seed(100 * rows + step))
+
+
+def head_muon(params: list, rows: int, cls: type | None = None) -> torch.optim.Optimizer:
+    """HeadMuon (or ``cls``) with head blocks of ``rows`` rows (0: the whole matrix one block)."""
+    from qklab.parallel.muon import HeadMuon
+
+    return (cls or HeadMuon)([{"params": params, "head_rows": [rows]}], lr=0.02, weight_decay=0.1, momentum=0.95,
+                             adjust_lr_fn="match_rms_adamw")
+
+
+def muon_steps(shapes, hook=None, mesh=None) -> dict[tuple[int, int], torch.Tensor]:
+    """Two Muon steps on each (rows, rows per head) matrix of ``shapes`` (seeded by its rows), with
+    ``hook(rows, rows_per_head)`` as its preconditioner when given: in one process (``mesh`` None, HeadMuon),
+    or sharded by rows over ``mesh`` (ShardedMuon on FSDP2-style DTensors). The full results by shape."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from qklab.parallel.muon import ShardedMuon
+
+    out = {}
+    for n, rows in shapes:
+        full = torch.randn(n, 8, generator=torch.Generator().manual_seed(n))
+        shard = (lambda t: distribute_tensor(t, mesh, [Shard(0)])) if mesh is not None else (lambda t: t)
+        p = torch.nn.Parameter(shard(full.clone()))
+        opt = head_muon([p], rows, ShardedMuon if mesh is not None else None)
+        if hook is not None:
+            opt.set_preconditioner(p, hook(n, rows))
+        for step in range(2):
+            p.grad = shard(muon_grads(n, step))
+            opt.step()
+        out[(n, rows)] = p.full_tensor() if mesh is not None else p.detach()
+    return out
+
+
+class ShardedMuonJob:
+    """On 2 gloo ranks: ``muon_steps`` sharded by rows; rank 0 saves the results to ``tmp / name``."""
+
+    def __init__(self, shapes, name: str, hook=None) -> None:
+        self.shapes, self.name, self.hook = shapes, name, hook
+
+    def __call__(self, tmp: Path, rank: int) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        out = muon_steps(self.shapes, self.hook, init_device_mesh("cpu", (2,)))
+        if rank == 0:
+            torch.save(out, tmp / self.name)

@@ -4,23 +4,25 @@ split between ranks) the hooked step and Compositional Muon's exact rule compute
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from qklab.parallel.muon import HeadMuon
-from tests.parallel.common import assert_ranks_equal, check_against_one, run_cases, spawn
+from tests.parallel.common import (
+    ShardedMuonJob,
+    assert_ranks_equal,
+    check_against_one,
+    head_muon,
+    muon_grads,
+    muon_steps,
+    run_cases,
+    spawn,
+)
 
 NS = ((3.4445, -4.7750, 2.0315), 5, 1e-7)
-LR, WD, MU = 0.02, 0.1, 0.95
+LR, WD, MU = 0.02, 0.1, 0.95  # head_muon's (tests/parallel/common.py), for the step written out
 SHAPES = ((6, 2), (9, 3), (8, 4), (5, 0))  # (rows, rows per head; 0 whole): head 1 split 3 + 3; 5 + 4; one each
-
-
-def _muon(params: list, rows: int, cls: type = HeadMuon) -> torch.optim.Optimizer:
-    return cls([{"params": params, "head_rows": [rows]}], lr=LR, weight_decay=WD, momentum=MU,
-               adjust_lr_fn="match_rms_adamw")
 
 
 class Mix:
@@ -50,18 +52,14 @@ class Identity:
         return o
 
 
-def _grads(n: int, step: int) -> torch.Tensor:
-    return torch.randn(n, 8, generator=torch.Generator().manual_seed(100 * n + step))
-
-
 @pytest.mark.parametrize("n, rows", SHAPES)
 def test_identity_hook_changes_nothing(n, rows):
     ps = [torch.nn.Parameter(torch.randn(n, 8, generator=torch.Generator().manual_seed(n))) for _ in range(2)]
-    opts = [_muon([p], rows) for p in ps]
+    opts = [head_muon([p], rows) for p in ps]
     opts[1].set_preconditioner(ps[1], Identity())
     for step in range(3):
         for p, o in zip(ps, opts, strict=True):
-            p.grad = _grads(n, step)
+            p.grad = muon_grads(n, step)
             o.step()
     assert torch.equal(ps[0], ps[1])
 
@@ -73,12 +71,12 @@ def test_hooked_step_is_post_ns_pre_per_head(n, rows):
     r = rows or n
     w0 = torch.randn(n, 8, generator=torch.Generator().manual_seed(n))
     p = torch.nn.Parameter(w0.clone())
-    opt = _muon([p], rows)
+    opt = head_muon([p], rows)
     hook = Mix(n // r, r, seed=n)
     opt.set_preconditioner(p, hook)
     w, buf = w0.clone(), torch.zeros(n, 8)
     for step in range(2):
-        g = _grads(n, step)
+        g = muon_grads(n, step)
         p.grad = g.clone()
         opt.step()
         buf = buf + (1 - MU) * (g - buf)  # lerp
@@ -96,50 +94,27 @@ def test_without_hooks_it_is_torch_muon_bit_for_bit():
             torch.optim.Muon([ps[1]], lr=LR, weight_decay=WD, momentum=MU, adjust_lr_fn="match_rms_adamw")]
     for step in range(3):
         for p, o in zip(ps, opts, strict=True):
-            p.grad = _grads(6, step)
+            p.grad = muon_grads(6, step)
             o.step()
     assert torch.equal(ps[0], ps[1])
 
 
 def test_a_parameter_outside_the_optimizer_is_refused():
-    opt = _muon([torch.nn.Parameter(torch.randn(4, 8))], 2)
+    opt = head_muon([torch.nn.Parameter(torch.randn(4, 8))], 2)
     with pytest.raises(ValueError, match="not in this optimizer"):
         opt.set_preconditioner(torch.nn.Parameter(torch.randn(4, 8)), Identity())
 
 
-class ShardedHookJob:
-    def __call__(self, tmp: Path, rank: int) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Shard, distribute_tensor
-
-        from qklab.parallel.muon import ShardedMuon
-
-        mesh = init_device_mesh("cpu", (2,))
-        out = {}
-        for n, rows in SHAPES:
-            full = torch.randn(n, 8, generator=torch.Generator().manual_seed(n))
-            p = torch.nn.Parameter(distribute_tensor(full.clone(), mesh, [Shard(0)]))
-            opt = _muon([p], rows, ShardedMuon)
-            opt.set_preconditioner(p, Mix(n // (rows or n), rows or n, seed=n))
-            for step in range(2):
-                p.grad = distribute_tensor(_grads(n, step), mesh, [Shard(0)])
-                opt.step()
-            out[(n, rows)] = p.full_tensor()
-        if rank == 0:
-            torch.save(out, tmp / "hooked.pt")
+def mix_hook(n: int, rows: int) -> Mix:
+    """The preconditioner of an (n, 8) matrix with head blocks of ``rows`` rows (0: one block)."""
+    return Mix(n // (rows or n), rows or n, seed=n)
 
 
 def test_sharded_hooked_muon_equals_one_process(tmp_path):
-    spawn(tmp_path, [ShardedHookJob()])
-    got = torch.load(tmp_path / "hooked.pt")
-    for n, rows in SHAPES:
-        p = torch.nn.Parameter(torch.randn(n, 8, generator=torch.Generator().manual_seed(n)))
-        opt = _muon([p], rows)
-        opt.set_preconditioner(p, Mix(n // (rows or n), rows or n, seed=n))
-        for step in range(2):
-            p.grad = _grads(n, step)
-            opt.step()
-        torch.testing.assert_close(got[(n, rows)], p.detach(), rtol=1e-5, atol=1e-6)
+    spawn(tmp_path, [ShardedMuonJob(SHAPES, "hooked.pt", mix_hook)])
+    got, want = torch.load(tmp_path / "hooked.pt"), muon_steps(SHAPES, mix_hook)
+    for shape in SHAPES:
+        torch.testing.assert_close(got[shape], want[shape], rtol=1e-5, atol=1e-6)
 
 
 EXACT = ["qk.controller=compositional", "qk.compositional.form=exact", "qk.compositional.decay=base",
