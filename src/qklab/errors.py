@@ -5,6 +5,7 @@
             ProbeError    a bad option or input of ``qklab probe``
             ReportError   nothing to report
         DataError         the data settings or the data itself (data/)
+            CorpusMissing a corpus this machine has not installed (``make corpus``)
         CheckpointError   a checkpoint that cannot be used: damaged, incomplete, not this model's (rundir/)
         RunFolderError    a path that is no run folder or checkpoint, or a run that does not load (rundir/)
         RunLockError      another process is writing this run folder (rundir/)
@@ -34,6 +35,11 @@ class ReportError(ConfigError):
 
 class DataError(UserError, ValueError):
     """A problem with the data settings or the data itself, explained in one line."""
+
+
+class CorpusMissing(DataError):
+    """A corpus that is not installed on this machine: a study stops before its first cell instead of
+    recording every cell on it as failed."""
 
 
 class CheckpointError(UserError, ValueError):

@@ -335,3 +335,23 @@ def test_a_failure_moves_a_finished_result_of_another_config_aside(tmp_path):
     new = json.loads((res_dir / cell.id / "result.json").read_text())
     assert new["status"] == "failed" and new["cell_hash"] == cell.hash
     assert (res_dir / cell.id / "result.0123456789abcdef.json").read_text() == text
+
+
+def test_a_corpus_not_installed_stops_the_study_before_any_cell(tmp_path, monkeypatch, capsys):
+    """A missing corpus is this machine's setup, not the cells': one line, exit 2, no result written (each
+    cell would otherwise be recorded as failed, and committed so), and the next run after `make corpus`
+    finds every cell to do."""
+    from qklab.cli import main
+    from qklab.data import english
+
+    monkeypatch.setenv(english.CORPUS_ENV, str(tmp_path / "nowhere"))
+    f = tmp_path / "e.toml"
+    f.write_text('[study]\nname = "e"\nconfig = "tiny"\nseeds = [0]\n[study.set]\n"data.source" = "english"\n'
+                 f'"data.cache_dir" = "{tmp_path / "cache"}"\n"train.steps" = 2\n[variants.none]\n'
+                 '"qk.method" = "none"\n[variants.qknorm]\n"qk.method" = "qknorm"\n')
+    res = tmp_path / "o" / "results"
+    assert main(["study", "run", str(f), "--out", str(tmp_path / "o"), "--workers", "0", "--no-report"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("qklab: error: data.source: the english corpus is not installed")
+    assert "make corpus" in err[-1]
+    assert not list(res.glob("*/result.json"))

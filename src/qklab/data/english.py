@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qklab.errors import DataError
+from qklab.errors import CorpusMissing, DataError
 
 ENGLISH = "english"
 CORPUS_ENV = "QKLAB_CORPUS_DIR"
@@ -265,7 +265,7 @@ def extract_part(root: Path, part: Part) -> list[tuple[str, str]]:
     """Every non-empty document of a part, as (id, normalised text), ordered by id."""
     folder = root / part.name
     if not folder.is_dir():
-        raise DataError(f"data.source: the english corpus at {root} has no part {part.name!r}; run `{INSTALL_CMD}`")
+        raise CorpusMissing(f"data.source: the english corpus at {root} has no part {part.name!r}; run `{INSTALL_CMD}`")
     docs = []
     try:
         for name, raw in part.extract(folder):
@@ -314,7 +314,7 @@ def read_manifest(root: Path | None = None) -> dict[str, Any]:
     root = corpus_dir() if root is None else root
     path = root / MANIFEST
     if not path.is_file():
-        raise DataError(
+        raise CorpusMissing(
             f"data.source: the english corpus is not installed at {root} (no {MANIFEST}); "
             f"run `{INSTALL_CMD}` to fetch it (or set {CORPUS_ENV} to its folder)"
         )

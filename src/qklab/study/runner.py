@@ -44,6 +44,7 @@ from typing import Any
 from tqdm import tqdm
 
 from qklab.config import ConfigError
+from qklab.errors import CorpusMissing
 from qklab.rundir.folder import RunLock, RunLockError
 from qklab.study.cell import DONE, publish, run_cell
 from qklab.study.plan import amend, check_design, check_plan, family_power, registration
@@ -313,6 +314,8 @@ def _run_study(study: Study, out: Path, results: Path, workers: int, log, thread
         try:
             prepare_data(cells[0].cfg.data, log=log)
             runnable += cells
+        except CorpusMissing:  # this machine's setup, not the cells': nothing is recorded (exit 2)
+            raise
         except Exception as e:  # every cell on this data fails, the others go on
             msg = f"data preparation failed: {type(e).__name__}: {e}".splitlines()[0]
             for cell in cells:
