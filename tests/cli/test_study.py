@@ -74,3 +74,13 @@ def test_cell_hash_ignores_defaults_and_upgrades_legacy_results(tmp_path, monkey
     r["cell_hash"] = "0" * 16  # another config's
     write_json_atomic(tmp_path / "res" / cell.id / "result.json", r)
     assert cell_status(cell, tmp_path / "res")[0] == "stale"
+
+
+def test_status_estimates_the_time_left_from_the_cells_finished():
+    """Finished cells' wall time (each measured while `workers` ran together), scaled by the cost of the
+    cells left: 2 cells of cost 10 took 1 h of cell time in all; 2 more of cost 10, 2 at a time -> 0.5 h."""
+    from qklab.cli.study import time_left
+
+    assert time_left(3600.0, 20.0, 20.0, 2) == "; 1.0 h of cells so far, about 0.5 h left at that pace (2 at a time)"
+    assert time_left(3600.0, 20.0, 60.0, 1) == "; 1.0 h of cells so far, about 3.0 h left at that pace (1 at a time)"
+    assert time_left(0.0, 0.0, 20.0, 2) == "" and time_left(3600.0, 20.0, 0.0, 2) == ""

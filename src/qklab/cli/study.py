@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from qklab.config import ConfigError, packaged, resolve_named_file
-from qklab.study.runner import cell_status, reusable, reuse_index, run_study
+from qklab.study.runner import cell_status, expected_cost, reusable, reuse_index, run_study
 from qklab.study.spec import Study, load_study
 from qklab.study.workers import Outcome
 from qklab.version import allow_dirty_env
@@ -75,9 +75,21 @@ def exit_code(study: Study, outcome: Outcome) -> int:
     return 1 if outcome.counts()["failed"] else 0
 
 
+def time_left(spent: float, cost_done: float, cost_left: float, workers: int) -> str:
+    """"; 3.1 h of cells so far, about 9.8 h left at that pace (2 at a time)": the finished cells' wall
+    time (each measured while ``workers`` ran together) scaled by the cost (``expected_cost``) of the cells
+    left; "" before a cell has finished or when none is left."""
+    if cost_done <= 0 or cost_left <= 0:
+        return ""
+    left = spent / cost_done * cost_left / workers
+    return (f"; {spent / 3600:.1f} h of cells so far, about {left / 3600:.1f} h left at that pace "
+            f"({workers} at a time)")
+
+
 def _status(study: Study, results: Path) -> int:
     index = reuse_index(study.protocol.reuse, warn)
     done = n_reuse = 0
+    pace = [0.0, 0.0, 0.0]  # seconds of the finished cells, their cost, the cost of the cells to train
     for c in study.cells:
         status, res = cell_status(c, results, warn)
         detail = (res or {}).get("status", "") if status != "done" else res["status"]
@@ -85,9 +97,14 @@ def _status(study: Study, results: Path) -> int:
         if src is not None:
             status, detail, n_reuse = "reuse", f"from {src[0]} ({src[1]['status']})", n_reuse + 1
         done += status == "done"
+        seconds = res.get("seconds") if status == "done" and not res.get("reused_from") else None
+        if isinstance(seconds, int | float) and seconds > 0:
+            pace[0], pace[1] = pace[0] + seconds, pace[1] + expected_cost(c)
+        elif status not in ("done", "reuse"):
+            pace[2] += expected_cost(c)
         print(f"{c.id:<40} {status:<6} {detail}")
     print(f"{study.name}: {done}/{len(study.cells)} cells done" + (f", {n_reuse} to reuse" if n_reuse else "")
-          + f"; results in {results}")
+          + f"; results in {results}" + time_left(*pace, max(study.workers, 1)))
     print(plan_status(study, results))
     return 0
 
