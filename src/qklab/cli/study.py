@@ -8,7 +8,6 @@ Outside a git checkout (an installed wheel) the commit is "unknown" and nothing 
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 from pathlib import Path
@@ -111,40 +110,29 @@ def _status(study: Study, results: Path) -> int:
 
 def plan_status(study: Study, results: Path) -> str:
     """One line: the registered plan (hash, time, amendments) and design against the study file's."""
-    line = _plan_line(study, results)
-    from qklab.study.plan import design, design_changes
+    from qklab.study.plan import design_drift, plan_hash, stored_plan
     from qklab.study.result import read_json
-    from qklab.study.runner import n_results
+    from qklab.study.runner import n_results, recorded
 
     data, problem = read_json(results / "study.json")
     data = data if problem is None and isinstance(data, dict) else {}
-    moved = design_changes(design(data), design(json.loads(json.dumps(study.to_dict(), default=str))))
-    if design(data) and moved and n_results(results) and data.get("plan"):
-        line += (f"; the file's design differs ({', '.join(moved)}): a run is refused until qklab study amend "
-                 "records the change")
-    return line
-
-
-def _plan_line(study: Study, results: Path) -> str:
-    from qklab.study.plan import plan_hash, stored_plan
-    from qklab.study.result import read_json
-    from qklab.study.runner import n_results
-
-    data, problem = read_json(results / "study.json")
-    data = data if problem is None and isinstance(data, dict) else {}
+    n = n_results(results)
     rec, file_hash = data.get("plan") or {}, plan_hash(study.plan)
     amended = len(data.get("plan_history") or [])
     if not rec and file_hash is None:
         return "plan: no claims registered (every claim of its report is exploratory)"
     if not rec:
         return ("plan: the file's [claims] are not registered yet; the next run registers them before its first "
-                "cell" if n_results(results) == 0 else "plan: the file registers claims after results; a run is "
+                "cell" if n == 0 else "plan: the file registers claims after results; a run is "
                 "refused until qklab study amend records it")
     same = plan_hash(stored_plan(data)) == file_hash
+    moved = design_drift(data, recorded(study), n)
     return (f"plan: {len(rec.get('claims', {}))} claim(s) registered {rec.get('registered', '?')} "
             f"(sha256 {str(rec.get('sha256'))[:12]})" + (f", amended {amended} time(s)" if amended else "")
             + ("; the file's [claims] match it" if same else
-               "; the file's [claims] differ: a run is refused until qklab study amend records the change"))
+               "; the file's [claims] differ: a run is refused until qklab study amend records the change")
+            + (f"; the file's design differs ({', '.join(moved)}): a run is refused until qklab study amend "
+               "records the change" if moved else ""))
 
 
 def _verify(args: argparse.Namespace) -> int:

@@ -246,14 +246,20 @@ def registered_design(study_json: dict[str, Any] | None) -> dict[str, Any]:
     return design(study_json)
 
 
-def check_design(study_json: dict[str, Any] | None, want: dict[str, Any], n_results: int) -> None:
-    """A ConfigError when the study file's design (``want``: ``Study.to_dict()`` as JSON) differs from the one
-    study.json records after results are in, for a study that registered claims (no claims registered, no
-    design recorded, or no result yet: the file's design holds, and cells of a changed config train again)."""
+def design_drift(study_json: dict[str, Any] | None, want: dict[str, Any], n_results: int) -> list[str]:
+    """The design entries the study file (``want``: ``Study.to_dict()`` as JSON) changes against the ones
+    study.json records, where that counts: after results are in, for a study that registered claims (no
+    claims registered, no design recorded, or no result yet: [], the file's design holds, and cells of a
+    changed config train again)."""
     old = design(study_json)
     if not old or n_results == 0 or stored_plan(study_json) is None:
-        return
-    changed = design_changes(old, design(want))
+        return []
+    return design_changes(old, design(want))
+
+
+def check_design(study_json: dict[str, Any] | None, want: dict[str, Any], n_results: int) -> None:
+    """A ConfigError when ``design_drift`` finds a change."""
+    changed = design_drift(study_json, want, n_results)
     if changed:
         raise ConfigError(f"the study file changes its design ({', '.join(changed)}) after {n_results} cell(s) of "
                           "results; record the change in the open with qklab study amend FILE --why \"...\" "

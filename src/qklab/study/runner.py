@@ -177,6 +177,11 @@ def n_results(results: Path) -> int:
     return sum(1 for _ in Path(results).glob("*/result.json"))
 
 
+def recorded(study: Study) -> dict[str, Any]:
+    """``study.to_dict()`` as study.json records it (JSON values: tuples as lists, paths as strings)."""
+    return json.loads(json.dumps(study.to_dict(), default=str))
+
+
 def _write_study_json(study: Study, results: Path, warn) -> None:
     """``study.json`` as run; an unchanged one is left alone (a committed file stays byte for byte), and the
     code versions it names (``code``) and its plan record are kept. The study file's ``[claims]`` are
@@ -187,7 +192,7 @@ def _write_study_json(study: Study, results: Path, warn) -> None:
     data = data if problem is None and isinstance(data, dict) else None
     done = n_results(results)
     action = check_plan(data, study.plan, done)
-    want = json.loads(json.dumps(study.to_dict(), default=str))
+    want = recorded(study)
     check_design(data, want, done)
     kept = {k: data[k] for k in KEPT if data is not None and k in data}
     if action == "register":
@@ -216,7 +221,7 @@ def amend_plan(study: Study, results: Path, why: str) -> dict[str, Any]:
         raise ConfigError(f"amend: {path} is damaged ({problem or 'not an object'})")
     if data.get("name") != study.name:
         raise ConfigError(f"amend: {path} is study '{data.get('name')}', not '{study.name}'")
-    out = amend(data, study.plan, why, json.loads(json.dumps(study.to_dict(), default=str)))
+    out = amend(data, study.plan, why, recorded(study))
     write_json_atomic(path, out)
     return out
 
