@@ -128,39 +128,55 @@ def test_committed_report_matches_the_code(study, rows):
 
 
 ROOT = RESULTS.parents[1]
-COMMITTED = sorted(str(p.parent.relative_to(RESULTS)) for p in RESULTS.rglob("report/report.json"))
+COMMITTED = sorted(str(p.relative_to(RESULTS)) for p in RESULTS.rglob("report.json"))  # every report, combined too
+
+
+def _named(report: Path, made_from: dict) -> tuple[list, dict]:
+    """The results and studies a report was built from: the folders it names (else the one beside it), only
+    the cells it names where it names them (a combined report is a snapshot while a study goes on), every
+    one of which must still be there."""
+    sources = [ROOT / s for s in made_from.get("sources", [])] or [report.parents[1]]
+    results, studies = load_results(sources)
+    if "cells" in made_from:
+        have = {f"{r['study']}/{r['cell']}": r for r in results}
+        missing = sorted(set(made_from["cells"]) - set(have))
+        assert not missing, f"{report}: built from cells that are no longer there: {missing[:5]}"
+        results = [have[c] for c in made_from["cells"]]
+    return results, studies
 
 
 def _rebuilt_tables(report: Path) -> tuple[dict, list, dict, list | None]:
     """The committed report.json's tables, and what the current code makes of the result files it was
-    built from: the folders it names (else the one beside it), only the cells it names where it names
-    them (a combined report is a snapshot while a study goes on), every one of which must still be there."""
+    built from (``_named``)."""
     committed = json.loads(report.read_text())
-    sources = [ROOT / s for s in committed.get("sources", [])] or [report.parents[1]]
-    results, studies = load_results(sources)
-    if "cells" in committed:
-        have = {f"{r['study']}/{r['cell']}": r for r in results}
-        missing = sorted(set(committed["cells"]) - set(have))
-        assert not missing, f"{report}: built from cells that are no longer there: {missing[:5]}"
-        results = [have[c] for c in committed["cells"]]
+    results, studies = _named(report, committed)
     groups = analyze(results, studies)["groups"]
     for g in groups:
         g["multi"] = len(studies) > 1
     return committed["tables"], groups, studies, registered_groups(results, studies)
 
 
-@pytest.mark.parametrize("folder", COMMITTED)
-def test_every_committed_report_matches_its_results(folder):
+@pytest.mark.parametrize("report_json", COMMITTED)
+def test_every_committed_report_matches_its_results(report_json):
     """Any committed report, complete or in progress (the demo's and the combined one too): its claims
     and results tables are what the current code makes of the result files it was built from. Fails when
     a cell was committed without rebuilding the report, or when a change to the analysis moves a
     published number."""
     from qklab.report.render import results_table
 
-    tables, groups, studies, first = _rebuilt_tables(RESULTS / folder / "report.json")
-    claims = claims_rows(groups, claims_table(groups, studies, first))
-    for name, (head, body) in (("claims", claims), ("results", results_table(groups))):
-        assert [tables[name]["head"], tables[name]["rows"]] == [head, body], f"{folder}: {name} table"
+    tables, groups, studies, first = _rebuilt_tables(RESULTS / report_json)
+    rows = claims_table(groups, studies, first)
+    want = {"claims": claims_rows(groups, rows), "results": results_table(groups)}
+    beside = json.loads((RESULTS / report_json).read_text()).get("beside")
+    if beside is not None:  # the claims of other results set beside these (qklab report --beside)
+        from qklab.report.beside import beside_table
+        from qklab.report.render import claims_of
+
+        head = tables["beside"]["head"]
+        there = claims_of(*_named(RESULTS / report_json, beside))
+        want["beside"] = beside_table(rows, there, head[2].split(", ", 1)[1], head[5].split(", ", 1)[1])
+    for name, (head, body) in want.items():
+        assert [tables[name]["head"], tables[name]["rows"]] == [head, body], f"{report_json}: {name} table"
 
 
 def test_published_verdicts(study, rows):

@@ -68,7 +68,7 @@ def _study(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from qklab.report import write_report
 
-    out = write_report(args.dirs, out=args.out, title=args.title, warn=_warn)
+    out = write_report(args.dirs, out=args.out, title=args.title, warn=_warn, beside=args.beside)
     print(f"report: {out / 'report.html'} (and report.md, report.json, figures)")
     return 0
 
@@ -191,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("dirs", nargs="+", help="folders holding result.json files (searched recursively)")
     rp.add_argument("--out", default=None, help="output folder (default: <first folder>/report)")
     rp.add_argument("--title", default="qklab report")
+    rp.add_argument("--beside", nargs="+", default=None, metavar="DIR",
+                    help="result folders whose claims (another corpus, say) are set beside these, each read on "
+                         "its own")
     rp.set_defaults(fn=_report)
 
     w = sub.add_parser("sweep", help="shorthand for a study: variants x seeds (x rate multiples) at equal tokens")

@@ -11,6 +11,8 @@ from pathlib import Path
 from urllib.parse import quote
 
 from qklab.errors import ReportError
+from qklab.report.beside import beside_table, corpus_label
+from qklab.report.beside import intro as beside_intro
 from qklab.report.claims import VERDICT_RULE, claims_table, registered_results
 from qklab.report.figures import colours, draw, figure_data, variant_name
 from qklab.report.html import page
@@ -416,19 +418,38 @@ def registered_groups(results: list[dict], studies: dict[str, dict]) -> list[dic
     return groups
 
 
-def write_report(dirs: list[str | Path], out: str | Path | None = None, title: str = "qklab report",
-                 warn=None) -> Path:
-    """Write report.{md,html,json} and the figures to ``out`` (default: the first folder's report/). Damaged
-    files and duplicate cells are named through ``warn`` (one line each), skipped, and counted in the report."""
+def _load(dirs: list[str | Path], problems: list[str]) -> tuple[list[dict], dict[str, dict]]:
+    """The results and studies of ``dirs`` (damaged or duplicate files named in ``problems``); a ReportError
+    for a missing folder or no result at all."""
     for d in dirs:
         if not Path(d).is_dir():
             raise ReportError(f"{d}: no such folder; give folders holding result.json files")
-    problems: list[str] = []
     results, studies = load_results(dirs, problems)
     if not results:  # one line: the error, naming the first damaged file
         raise ReportError(f"no result.json under {', '.join(map(str, dirs))}"
                           + (f" ({len(problems)} damaged or duplicate file(s) skipped; {problems[0]})" if problems
                              else "") + "; run `qklab study run` first")
+    return results, studies
+
+
+def claims_of(results: list[dict], studies: dict[str, dict]) -> list[dict]:
+    """The claims table (claims.claims_table rows) of one set of results, as the report reads it: each
+    study's registered plan, and an amended design's claims also on its registered cells."""
+    groups = analyze(results, studies)["groups"]
+    for g in groups:
+        g["multi"] = len(studies) > 1
+    return claims_table(groups, studies, registered_groups(results, studies))
+
+
+def write_report(dirs: list[str | Path], out: str | Path | None = None, title: str = "qklab report",
+                 warn=None, beside: list[str | Path] | None = None) -> Path:
+    """Write report.{md,html,json} and the figures to ``out`` (default: the first folder's report/). Damaged
+    files and duplicate cells are named through ``warn`` (one line each), skipped, and counted in the report.
+    ``beside``: folders of other results (another corpus, say) whose claims table is set beside this one's,
+    each read on its own (``beside.beside_table``)."""
+    problems: list[str] = []
+    results, studies = _load(dirs, problems)
+    other: tuple[list[dict], dict[str, dict]] | None = _load(beside, problems) if beside else None
     for msg in problems:
         (warn or (lambda m: None))(f"warning: {msg}")
     analysis = analyze(results, studies)
@@ -450,6 +471,12 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
               "throughput": throughput_table(groups), "claims": claims_rows(groups, claim_rows),
               "stability": stability_table(groups), "stable_rates": stable_rates_table(groups, studies),
               "failures": failures_table(groups)}
+    here_label = corpus_label(results)
+    if other is not None:  # the headers name the corpora in short; the same corpus twice: "here" and "beside"
+        there_label = corpus_label(other[0])
+        short = (corpus_label(results, short=True), corpus_label(other[0], short=True))
+        tables["beside"] = beside_table(claim_rows, claims_of(*other),
+                                        *(short if short[0] != short[1] else ("here", "beside")))
     header = _header(analysis, [str(d) for d in dirs], results)
     captions = {"val_curves": "Selection-split loss over training at each variant's chosen rate (mean, band: "
                               "min-max over seeds).",
@@ -469,7 +496,9 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
                                 "scale with it), same runs: median and band over heads.",
                 "quack_factors": "QuacK's per-head learning-rate factors (W_Q and W_K of every layer) over "
                                  "training, same runs: median and band."}
-    sections = [("Claims", "claims"), ("Results (report split)", "results"),
+    sections = [("Claims", "claims"),
+                *([(f"Beside: the same claims on {there_label}", "beside")] if other is not None else []),
+                ("Results (report split)", "results"),
                 *((f"The grid of {k[5:]}: selection loss (mean ± std over seeds) / max logit, by learning rate", k)
                   for k in grids),
                 *((f"Attention probes of {k[7:]} at the chosen rates: mean ± std over seeds (difference to the "
@@ -483,7 +512,8 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
     cells = Cells(out)
     links = {"results": results_links(groups, cells), "claims": claims_links(claim_rows, cells)}
     md = [f"# {title}", "", *header, "", "## Answers", "", *answers(claim_rows, cells), ""]
-    intros = {"claims": VERDICT_RULE}
+    intros = {"claims": VERDICT_RULE,
+              **({"beside": beside_intro(here_label, there_label, [str(d) for d in beside])} if other else {})}
     for name, key in sections:
         md += [f"## {name}", "", *([intros[key], ""] if key in intros else []), md_table(tables[key], links.get(key))]
     md += ["## Figures", ""]
@@ -497,7 +527,10 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
     (out / "report.html").write_text(page("\n".join(md), title, {p.name: p for p in figs.values()}))
     # what the report was built from, so that it can be checked against those files while a study goes on
     made_from = {"sources": [str(d) for d in dirs], "skipped": problems,
-                 "cells": sorted(f"{r.get('study', '')}/{r['cell']}" for r in results)}
+                 "cells": sorted(f"{r.get('study', '')}/{r['cell']}" for r in results),
+                 **({"beside": {"sources": [str(d) for d in beside],
+                                "cells": sorted(f"{r.get('study', '')}/{r['cell']}" for r in other[0])}}
+                    if other is not None else {})}
     write_json_atomic(out / "report.json", {**made_from, "verdict_rule": VERDICT_RULE, "figures": data,
                                             "colours": colours(data),
                                             "tables": {k: {"head": h, "rows": r} for k, (h, r) in tables.items()}})
