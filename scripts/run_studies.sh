@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run several long studies one after another, each from one commit to its end (scripts/run_study.sh: a
-# study with results continues from the commit it was last started from; one without starts from HEAD, which
-# must be clean), so that the machine never waits between them:
+# study with results continues from the commit it was last started from; one without starts from HEAD, in a
+# clean clone, its study file committed), so that the machine never waits between them:
 #   QKLAB_RUNS=/work/runs scripts/run_studies.sh qkmap_english logit_control_english ladder_english
 # A study whose cells failed (exit 1: each is in its report's failures table) does not hold up the next
 # (the chain then ends with 1); one that was stopped (exit 128 + N) or refused (exit 2) ends the chain.

@@ -17,8 +17,12 @@ if [ -z "$commit" ] && [ -f "$results/study.json" ]; then  # the code it was las
   commit=$("$py" -c "import json,sys; c=json.load(open(sys.argv[1])).get('code') or [{}]; print(c[-1].get('commit') or '')" \
            "$results/study.json")
 fi
-if [ -z "$commit" ]; then
-  [ -z "$(git status --porcelain --untracked-files=no)" ] || { echo "error: uncommitted changes; commit them first" >&2; exit 2; }
+if [ -z "$commit" ]; then  # HEAD, in a clean clone; edits in this checkout are not part of the study
+  [ -z "$(git status --porcelain -- "studies/$study.toml")" ] || {
+    echo "error: studies/$study.toml has uncommitted changes; commit them first (the study runs from HEAD)" >&2
+    exit 2; }
+  dirty=$(git status --porcelain --untracked-files=no | cut -c4- | paste -sd ' ' -)
+  [ -z "$dirty" ] || echo "note: uncommitted changes ($dirty) are not part of this study; it runs from HEAD" >&2
   commit=$(git rev-parse HEAD)
 fi
 commit=$(git rev-parse --verify "$commit^{commit}")
@@ -35,11 +39,12 @@ echo "study $study from commit ${commit:0:12} in $clone; results in $results"
    --workers 2 --results "$results" --out "$runs/$study") &
 run=$!
 mkdir -p "$results"
-QKLAB=$root/.venv/bin/qklab scripts/commit_results.sh "$study" 120 &
+interval=${QKLAB_COMMIT_INTERVAL:-120}
+QKLAB=$root/.venv/bin/qklab scripts/commit_results.sh "$study" "$interval" &
 committer=$!
 trap 'kill -TERM $run 2>/dev/null; wait $run; kill $committer 2>/dev/null' INT TERM
 status=0
 wait $run || status=$?
-sleep 130  # one more pass of the committer for the last cells
+sleep $((interval * 13 / 12))  # one more pass of the committer for the last cells
 kill $committer 2>/dev/null || true
 exit $status

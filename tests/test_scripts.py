@@ -1,6 +1,7 @@
-"""scripts/run_studies.sh: studies in turn; failed cells (exit 1) do not hold up the next study, a stopped
-or refused one (any other non-zero exit) ends the chain. run_study.sh is replaced by a stub that logs its
-study and exits with the code planted for it."""
+"""The study scripts, with stubs for what they call. scripts/run_studies.sh: studies in turn; failed cells
+(exit 1) do not hold up the next study, a stopped or refused one (any other non-zero exit) ends the chain.
+scripts/run_study.sh: a new study from HEAD in a clean clone. scripts/rebuild_reports.sh: which reports it
+rebuilds."""
 
 from __future__ import annotations
 
@@ -94,3 +95,63 @@ def test_rebuild_reports_leaves_running_studies_to_their_committer(tmp_path):
         "qklab: both papers' claims on natural English, beside Python source",
     ]
     assert "skipped: logit_control_cpu (not complete" in p.stdout and "skipped: qkmap_english" in p.stdout
+
+
+PY_STUB = """#!/usr/bin/env bash
+if [ "$1" = -c ]; then exec python3 "$@"; fi
+echo "$(git rev-parse HEAD) $*" >> "$LOG"
+exit "${RC:-0}"
+"""
+GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+
+
+def _repo(tmp_path: Path) -> Path:
+    """A checkout with scripts/run_study.sh, a study file, an unrelated tracked file, and stubs for the
+    .venv's python (logs the commit it runs at and its arguments) and the committer."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "studies").mkdir()
+    shutil.copy(ROOT / "scripts" / "run_study.sh", repo / "scripts")
+    (repo / "scripts" / "commit_results.sh").write_text("#!/usr/bin/env bash\nexit 0\n")
+    (repo / "scripts" / "commit_results.sh").chmod(0o755)
+    (repo / "studies" / "a.toml").write_text("[study]\nname = 'a'\n")
+    (repo / "notes.md").write_text("one\n")
+    (repo / ".gitignore").write_text(".venv/\n")
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    (repo / ".venv" / "bin" / "python").write_text(PY_STUB)
+    (repo / ".venv" / "bin" / "python").chmod(0o755)
+    subprocess.run([*GIT, "init", "-q"], cwd=repo, check=True)
+    subprocess.run([*GIT, "add", "."], cwd=repo, check=True)
+    subprocess.run([*GIT, "commit", "-qm", "x"], cwd=repo, check=True)
+    return repo
+
+
+def _run_study(repo: Path, rc: int = 0) -> tuple[int, list[str], str]:
+    log = repo.parent / "log"
+    p = subprocess.run(["bash", "scripts/run_study.sh", "a"], cwd=repo, capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin", "LOG": str(log), "RC": str(rc), "QKLAB_COMMIT_INTERVAL": "0",
+                            "QKLAB_RUNS": str(repo.parent / "runs"), "HOME": str(repo.parent)})
+    return p.returncode, log.read_text().splitlines() if log.exists() else [], p.stderr
+
+
+def test_run_study_starts_from_head_in_a_clean_clone(tmp_path):
+    """scripts/run_study.sh: a new study runs from HEAD in its own clone; edits elsewhere in the checkout
+    are named and left out; its exit code is the study's."""
+    repo = _repo(tmp_path)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    (repo / "notes.md").write_text("two\n")  # an edit that is not part of the study
+    rc, log, err = _run_study(repo, rc=1)
+    assert rc == 1
+    assert log == [f"{head} -m qklab study run studies/a.toml --workers 2 --results {repo}/docs/results/a "
+                   f"--out {tmp_path}/runs/a"]
+    assert "note: uncommitted changes (notes.md) are not part of this study; it runs from HEAD" in err
+    assert (tmp_path / "runs" / "clones" / f"a-{head[:12]}" / "notes.md").read_text() == "one\n"
+
+
+def test_run_study_refuses_an_uncommitted_study_file(tmp_path):
+    repo = _repo(tmp_path)
+    (repo / "studies" / "a.toml").write_text("[study]\nname = 'b'\n")
+    rc, log, err = _run_study(repo)
+    assert (rc, log) == (2, [])
+    assert err.strip() == ("error: studies/a.toml has uncommitted changes; commit them first (the study runs from "
+                           "HEAD)")
