@@ -16,6 +16,8 @@ from qklab.report.beside import intro as beside_intro
 from qklab.report.claims import VERDICT_RULE, claims_table, registered_results
 from qklab.report.figures import colours, draw, figure_data, variant_name
 from qklab.report.html import page
+from qklab.report.ladder import INTRO as LADDER_INTRO
+from qklab.report.ladder import ladder_table
 from qklab.report.probes import probes_tables
 from qklab.study.analyze import DELTA, analyze, best_by_place, best_select, highest_within, load_results, place
 from qklab.study.plan import stored_plan
@@ -471,6 +473,9 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
               "throughput": throughput_table(groups), "claims": claims_rows(groups, claim_rows),
               "stability": stability_table(groups), "stable_rates": stable_rates_table(groups, studies),
               "failures": failures_table(groups)}
+    ladder = ladder_table(groups)
+    if ladder[1]:  # a study with a width grid
+        tables["ladder"] = ladder
     here_label = corpus_label(results)
     if other is not None:  # the headers name the corpora in short; the same corpus twice: "here" and "beside"
         there_label = corpus_label(other[0])
@@ -499,6 +504,8 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
     sections = [("Claims", "claims"),
                 *([(f"Beside: the same claims on {there_label}", "beside")] if other is not None else []),
                 ("Results (report split)", "results"),
+                *([("The width ladder: gap to the reference by width, each at its chosen rate", "ladder")]
+                  if "ladder" in tables else []),
                 *((f"The grid of {k[5:]}: selection loss (mean ± std over seeds) / max logit, by learning rate", k)
                   for k in grids),
                 *((f"Attention probes of {k[7:]} at the chosen rates: mean ± std over seeds (difference to the "
@@ -512,7 +519,7 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
     cells = Cells(out)
     links = {"results": results_links(groups, cells), "claims": claims_links(claim_rows, cells)}
     md = [f"# {title}", "", *header, "", "## Answers", "", *answers(claim_rows, cells), ""]
-    intros = {"claims": VERDICT_RULE,
+    intros = {"claims": VERDICT_RULE, "ladder": LADDER_INTRO,
               **({"beside": beside_intro(here_label, there_label, [str(d) for d in beside])} if other else {})}
     for name, key in sections:
         md += [f"## {name}", "", *([intros[key], ""] if key in intros else []), md_table(tables[key], links.get(key))]
