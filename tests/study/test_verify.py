@@ -63,3 +63,20 @@ def test_verify_compares_probes_and_rehashes_the_config(tmp_path, capsys):
     write_json_atomic(path, res)
     assert main(["study", "verify", str(res_dir)]) == 1
     assert "cell_hash: the recorded config hashes to" in capsys.readouterr().out
+
+
+def test_verify_draws_among_each_named_variant(tmp_path, capsys):
+    """--variant a,b: --cells of each variant's finished cells; a variant with none is one line, exit 2."""
+    raw = {"study": {"config": "tiny", "seeds": [0, 1], "set": {**SETS, "data.cache_dir": str(tmp_path / "cache")}},
+           "variants": {"a": {"qk.method": "qknorm"}, "b": {"qk.method": "none"}, "c": {"qk.method": "qkmap"}}}
+    res_dir = tmp_path / "res"
+    run_study(parse_study(raw, "v"), tmp_path / "o", res_dir, workers=0, threads=1, log=lambda s: None)
+    capsys.readouterr()
+    assert main(["study", "verify", str(res_dir), "--variant", "c,a", "--out", str(tmp_path / "again")]) == 0
+    drawn = [line.split()[1].rstrip(":") for line in capsys.readouterr().out.splitlines()
+             if line.startswith("verify ")]
+    assert [d.split("_")[0] for d in drawn] == ["c", "a"]  # one of each, in the order named
+    assert main(["study", "verify", str(res_dir), "--variant", "b,z"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"qklab: error: --variant z: no finished cell of it in {res_dir} (variants with finished "
+                   "cells: a, b, c)")

@@ -180,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--cells", type=_count(1, "verify 1 or more cells"), default=1,
                     help="verify: how many finished cells to retrain, drawn at random (default 1)")
     st.add_argument("--seed", type=int, default=None, help="verify: the seed of the random draw")
+    st.add_argument("--variant", default=None, metavar="NAME[,NAME...]",
+                    help="verify: draw --cells among each named variant's cells (one sample per method)")
     st.add_argument("--why", default=None,
                     help="amend: why the registered claims or design change (kept in study.json)")
     st.add_argument("--allow-dirty", action="store_true",

@@ -116,9 +116,10 @@ def verify_cell(res: dict[str, Any], out: Path, log=print, results: Path | None 
 
 
 def verify_results(results: Path, cells: int = 1, seed: int | None = None, out: Path | None = None,
-                   log=print, warn=None) -> list[Verdict]:
+                   log=print, warn=None, variants: list[str] | None = None) -> list[Verdict]:
     """Retrain ``cells`` finished (ok or diverged) cells of a results folder, drawn at random (``seed``), each
-    in a fresh run folder under ``out`` (default: a temporary folder, removed after)."""
+    in a fresh run folder under ``out`` (default: a temporary folder, removed after). ``variants``: draw
+    ``cells`` among each named variant's cells instead (a sample that covers each method's code)."""
     import random
     import shutil
     import tempfile
@@ -137,7 +138,17 @@ def verify_results(results: Path, cells: int = 1, seed: int | None = None, out: 
             done.append(res)
     if not done:
         raise ConfigError(f"{results} holds no finished (ok or diverged) result.json to verify")
-    chosen = random.Random(seed).sample(done, min(cells, len(done)))
+    rng = random.Random(seed)
+    if variants:
+        have = sorted({str(r.get("variant")) for r in done})
+        unknown = [v for v in variants if v not in have]
+        if unknown:
+            raise ConfigError(f"--variant {','.join(unknown)}: no finished cell of it in {results} (variants with "
+                              f"finished cells: {', '.join(have)})")
+        pools = [[r for r in done if r.get("variant") == v] for v in dict.fromkeys(variants)]
+        chosen = [r for pool in pools for r in rng.sample(pool, min(cells, len(pool)))]
+    else:
+        chosen = rng.sample(done, min(cells, len(done)))
     from qklab.version import code_version
 
     here = code_version().record()
