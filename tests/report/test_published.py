@@ -191,14 +191,31 @@ def test_published_verdicts(study, rows):
         assert figure in got[claim][1], (claim, got[claim])
 
 
-def _readme_claims() -> dict[str, str]:
-    """docs/results/README.md's claims table: claim -> the verdict its row starts with."""
-    rows = {}
+CODE_CLAIMS = "### Claims of both papers: where each stands"
+ENGLISH_CLAIMS = "### Claims on natural English beside Python source"
+
+
+def _readme_section(heading: str) -> list[list[str]]:
+    """docs/results/README.md's table rows of one claim (paper first) under ``heading``, up to the next heading."""
+    rows, inside = [], False
     for line in (RESULTS / "README.md").read_text().splitlines():
+        if line.startswith("#"):
+            inside = line.strip() == heading
+            continue
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 4 and cells[0] in ("QK-MAP", "QuacK"):
-            rows[cells[1]] = cells[3].split("**")[1] if cells[3].startswith("**") else cells[3]
+        if inside and len(cells) >= 4 and cells[0] in ("QK-MAP", "QuacK"):
+            rows.append(cells)
     return rows
+
+
+def _verdict_of(cell: str) -> str:
+    """The verdict a cell starts with ('**agree** (old rule: ...)' -> 'agree')."""
+    return cell.split("**")[1] if cell.startswith("**") else cell
+
+
+def _readme_claims() -> dict[str, str]:
+    """docs/results/README.md's claims table of the code studies: claim -> the verdict its row starts with."""
+    return {r[1]: _verdict_of(r[3]) for r in _readme_section(CODE_CLAIMS)}
 
 
 @pytest.mark.skipif(not (RESULTS / "report" / "report.json").exists(), reason="no combined report committed")
@@ -208,4 +225,16 @@ def test_results_readme_states_the_combined_reports_verdicts():
     committed = json.loads((RESULTS / "report" / "report.json").read_text())["tables"]["claims"]["rows"]
     readme = _readme_claims()
     want = {r[1]: r[4].strip("*") for r in committed}
+    assert {c: readme.get(c) for c in want} == want
+
+
+@pytest.mark.skipif(not (RESULTS / "report_english" / "report.json").exists(),
+                    reason="no combined English report committed yet (the English studies are running)")
+def test_results_readme_states_the_english_verdicts_beside_the_code_ones():
+    """docs/results/README.md's English claims table: a row for every claim of the combined English report's
+    beside table, its third column starting with the English verdict and its fourth with the Python-source
+    verdict, as that table gives them."""
+    beside = json.loads((RESULTS / "report_english" / "report.json").read_text())["tables"]["beside"]
+    want = {r[1]: (_verdict_of(r[2]), _verdict_of(r[5])) for r in beside["rows"]}
+    readme = {r[1]: (_verdict_of(r[2]), _verdict_of(r[3])) for r in _readme_section(ENGLISH_CLAIMS)}
     assert {c: readme.get(c) for c in want} == want
