@@ -107,7 +107,8 @@ deb_fetch() { # package version -> path of the .deb
     deb="$(find "$DL" -maxdepth 1 -name "$1_$(echo "$2" | sed 's/^[0-9]*://')_*.deb" | head -n1)"
     if [ -z "$deb" ]; then
         command -v apt-get >/dev/null || die "apt-get is needed for $1 (a Debian machine)"
-        if ! apt-cache show "$1=$2" >/dev/null 2>&1 && [ "$apt_updated" = 0 ]; then
+        # apt-cache show exits 0 for a version it does not know: test its output, not its status
+        if [ -z "$(apt-cache show "$1=$2" 2>/dev/null)" ] && [ "$apt_updated" = 0 ]; then
             quiet apt-get update -q || die "apt-get update failed (needs root)"
             apt_updated=1
         fi

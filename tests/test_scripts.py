@@ -1,7 +1,7 @@
 """The study scripts, with stubs for what they call. scripts/run_studies.sh: studies in turn; failed cells
 (exit 1) do not hold up the next study, a stopped or refused one (any other non-zero exit) ends the chain.
 scripts/run_study.sh: a new study from HEAD in a clean clone. scripts/rebuild_reports.sh: which reports it
-rebuilds."""
+rebuilds. scripts/install_corpus.sh: a pinned Debian version that the package lists do not know yet."""
 
 from __future__ import annotations
 
@@ -155,3 +155,40 @@ def test_run_study_refuses_an_uncommitted_study_file(tmp_path):
     assert (rc, log) == (2, [])
     assert err.strip() == ("error: studies/a.toml has uncommitted changes; commit them first (the study runs from "
                            "HEAD)")
+
+
+APT = """#!/usr/bin/env bash
+echo "$(basename "$0") $*" >> "$CALLS"
+case "$(basename "$0") $*" in
+  "apt-cache show"*) [ -f "$UPDATED" ] && echo "Package: $3"; exit 0;;  # 0 either way, as apt-cache does
+  "apt-get update"*) touch "$UPDATED";;
+  "apt-get download"*) pin=${@: -1}; [ -f "$UPDATED" ] && touch "${pin/=/_}_all.deb" || exit 100;;
+esac
+"""
+
+
+@pytest.mark.parametrize("listed", [False, True])
+def test_install_corpus_updates_the_package_lists_for_a_pin_they_do_not_know(tmp_path: Path, listed: bool):
+    """apt-cache show exits 0 for an unknown version; the lists must be updated before the download all the
+    same (a new security release of a pinned package), and not when they already know it."""
+    script = (ROOT / "scripts" / "install_corpus.sh").read_text()
+    fetch = script[script.index("deb_fetch() {"):]
+    fetch = fetch[:fetch.index("\n}\n") + 3]
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    for tool in ("apt-cache", "apt-get"):
+        (bin_ / tool).write_text(APT)
+        (bin_ / tool).chmod(0o755)
+    (tmp_path / "dl").mkdir()
+    if listed:
+        (tmp_path / "updated").touch()
+    (tmp_path / "fetch.sh").write_text(fetch)
+    body = (f'DL={tmp_path}/dl; apt_updated=0; quiet() {{ "$@"; }}; die() {{ echo "die: $*"; exit 1; }}; '
+            f'source {tmp_path}/fetch.sh; deb_fetch python3.11-doc 3.11.2-6+deb12u9')
+    env = {"PATH": f"{bin_}:/usr/bin:/bin", "CALLS": str(tmp_path / "calls"), "UPDATED": str(tmp_path / "updated")}
+    p = subprocess.run(["bash", "-c", body], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.strip() == f"{tmp_path}/dl/python3.11-doc_3.11.2-6+deb12u9_all.deb"
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert ("apt-get update -q" in calls) is not listed
+    assert calls[-1].startswith("apt-get download")
