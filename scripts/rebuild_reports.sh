@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Rebuild the committed reports from their result files, after a change to the analysis or when a study
 # has finished: every complete study's own report (the demo's keeps its HTML copy), the combined report of
-# the code-corpus studies (docs/results/report) and, once an English study has results, the combined
-# English report beside the code one (docs/results/report_english, `qklab report --beside`). Then review
+# the code-corpus studies (docs/results/report) and, once an English study is complete, the combined
+# English report beside the code one (docs/results/report_english, `qklab report --beside`); the combined
+# reports read complete studies only. Then review
 # `git diff docs/results` and commit.
 #   make reports            # or: scripts/rebuild_reports.sh
 # A study still running is left to its committer (scripts/commit_results.sh rebuilds its report with each
-# cell); the combined reports record the cells they were built from, so they may be rebuilt meanwhile.
+# cell) and stays out of the combined reports until it is complete.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 qklab=${QKLAB:-.venv/bin/qklab}
@@ -48,9 +49,11 @@ for d in "$results"/*/; do
   fi
 done
 
-have() {  # the named studies that have results
+have() {  # the named studies that are complete (a running one would give verdicts that move with each cell)
   for s in "$@"; do
-    compgen -G "$results/$s/*/result.json" > /dev/null && echo "$results/$s"
+    if complete "$s"; then echo "$results/$s"
+    elif [ -f "$results/$s/study.json" ]; then echo "not in the combined reports yet: $s (not complete)" >&2
+    fi
   done
   return 0
 }

@@ -62,7 +62,7 @@ def _results_tree(root: Path) -> Path:
 
     r = root / "results"
     for study, cells, done in (("demo", ["a", "b"], 2), ("qkmap_cpu", ["a"], 1), ("logit_control_cpu", ["a", "b"], 1),
-                               ("qkmap_english", ["a", "b", "c"], 1)):
+                               ("qkmap_english", ["a", "b", "c"], 1), ("ladder_english", ["a"], 1)):
         (r / study).mkdir(parents=True)
         (r / study / "study.json").write_text(json.dumps({"cells": cells}))
         for c in cells[:done]:
@@ -74,8 +74,8 @@ def _results_tree(root: Path) -> Path:
 
 def test_rebuild_reports_leaves_running_studies_to_their_committer(tmp_path):
     """scripts/rebuild_reports.sh: a report for each complete study (the demo under its own title), the
-    combined code report from every code study with results, the English one beside it; a study that is
-    not complete is skipped by name."""
+    combined code report from the complete code studies, the English one from the complete English studies
+    beside it; a study that is not complete is skipped by name and left out of the combined reports."""
     results = _results_tree(tmp_path)
     stub = tmp_path / "qklab"
     stub.write_text(QKLAB_STUB)
@@ -89,12 +89,15 @@ def test_rebuild_reports_leaves_running_studies_to_their_committer(tmp_path):
     calls = log.read_text().splitlines()
     assert calls == [
         f"report {r}/demo --out {r}/demo/report --title qklab demo",
+        f"report {r}/ladder_english --out {r}/ladder_english/report --title qklab study: ladder_english",
         f"report {r}/qkmap_cpu --out {r}/qkmap_cpu/report --title qklab study: qkmap_cpu",
-        f"report {r}/qkmap_cpu {r}/logit_control_cpu --out {r}/report --title qklab: both papers' claims at CPU scale",
-        f"report {r}/qkmap_english --beside {r}/qkmap_cpu {r}/logit_control_cpu --out {r}/report_english --title "
+        f"report {r}/qkmap_cpu --out {r}/report --title qklab: both papers' claims at CPU scale",
+        f"report {r}/ladder_english --beside {r}/qkmap_cpu --out {r}/report_english --title "
         "qklab: both papers' claims on natural English, beside Python source",
     ]
     assert "skipped: logit_control_cpu (not complete" in p.stdout and "skipped: qkmap_english" in p.stdout
+    assert "not in the combined reports yet: logit_control_cpu" in p.stderr
+    assert "not in the combined reports yet: qkmap_english" in p.stderr
 
 
 PY_STUB = """#!/usr/bin/env bash
