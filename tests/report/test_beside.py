@@ -34,7 +34,7 @@ def _study(root, name: str, source: str, seeds: int, claims: list[str], effect: 
 @pytest.fixture
 def pair(tmp_path):
     en = _study(tmp_path, "en", "english", 8, ["qkmap.val_vs_none", "qkmap.val_vs_qknorm", "qkmap.first_token"])
-    code = _study(tmp_path, "code", "pystdlib", 5, ["qkmap.val_vs_none", "qkmap.train_vs_none"])
+    code = _study(tmp_path, "code", "pystdlib", 5, ["qkmap.val_vs_none", "qkmap.train_vs_none", "qkmap.val_vs_quest"])
     return en, code
 
 
@@ -48,7 +48,8 @@ def test_each_set_keeps_its_own_plan_and_family(tmp_path, pair):
     # registered on either side, in catalogue order; the claims neither registered are left out
     assert list(got) == ["lower validation loss than Standard attention", "lower validation loss than QK-Norm",
                          "lower training loss than Standard attention",
-                         "less attention on the first token than Standard attention"]
+                         "less attention on the first token than Standard attention",
+                         "lower validation loss than QUEST (keys on the sphere, queries free)"]
     r = got["lower validation loss than Standard attention"]
     # English: 8 seeds, all one way: sign-flip p = 2/2^8; Holm over its 3 registered claims, all at that p
     assert r["verdict, natural English"] == "**agree**"
@@ -62,6 +63,10 @@ def test_each_set_keeps_its_own_plan_and_family(tmp_path, pair):
     q = got["lower validation loss than QK-Norm"]
     assert q["verdict, Python source"] == "exploratory" and "Holm" not in q["n and test, Python source"]
     assert got["lower training loss than Standard attention"]["verdict, natural English"] == "exploratory"
+    # registered where no cell can measure it (no QUEST variant on either side): not measurable there, not run here
+    quest = got["lower validation loss than QUEST (keys on the sphere, queries free)"]
+    assert quest["verdict, Python source"] == "**not measurable**" and quest["measured, Python source"] == "-"
+    assert quest["verdict, natural English"] == "not run" and quest["n and test, natural English"] == "-"
     md = (out / "report.md").read_text()
     assert "## Beside: the same claims on Python source (`pystdlib`)" in md
     assert "on natural English (`english`)" in md

@@ -35,8 +35,9 @@ def _test(r: dict[str, Any] | None) -> str:
 
 
 def _verdict(r: dict[str, Any] | None) -> str:
-    """The verdict by the current rule (bold); for an amended plan, the registered plan's beside it."""
-    if r is None:
+    """The verdict by the current rule (bold); for an amended plan, the registered plan's beside it. A claim
+    the set did not register is 'exploratory' where its cells measure it and 'not run' where they do not."""
+    if r is None or (r.get("status") != "confirmatory" and r.get("measured", "-") == "-"):
         return "not run"
     if r.get("status") != "confirmatory":
         return "exploratory"
