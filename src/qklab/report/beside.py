@@ -37,10 +37,10 @@ def _test(r: dict[str, Any] | None) -> str:
 def _verdict(r: dict[str, Any] | None) -> str:
     """The verdict by the current rule (bold); for an amended plan, the registered plan's beside it. A claim
     the set did not register is 'exploratory' where its cells measure it and 'not run' where they do not."""
-    if r is None or (r.get("status") != "confirmatory" and r.get("measured", "-") == "-"):
+    if r is None:
         return "not run"
     if r.get("status") != "confirmatory":
-        return "exploratory"
+        return "exploratory" if r.get("measured", "-") != "-" else "not run"
     v = f"**{r['verdict']}**"
     if r.get("amended") and r.get("verdict_registered") not in (None, r["verdict"]):
         v += f" (registered plan: {r['verdict_registered']})"
