@@ -405,6 +405,30 @@ def test_a_gated_variant_is_not_standard_attention(tmp_path):
     assert r["measured"].startswith("qkmap - none: -0.29"), r
 
 
+def test_per_head_muon_is_not_the_reference(tmp_path):
+    """logit_control_english's case: `muon-per-head` has method none and controller none, and a lower
+    selection loss than `none`; QuacK's claims against no intervention still pair with `none`."""
+    from qklab.report.claims import claims_table
+    from qklab.study.analyze import analyze, load_results
+
+    res = tmp_path / "m"
+    write_json_atomic(res / "study.json", {"name": "m", "config": "tiny", "seeds": [0, 1],
+                                           "variants": {v: {} for v in ("none", "muon-per-head", "quack")},
+                                           "protocol": {"reference": "none", "lr_mults": [1.0]}})
+    for s in (0, 1):
+        for v, ctrl, sel, logit in (("none", "none", 4.0, 40.0), ("muon-per-head", "none", 3.5, 80.0),
+                                    ("quack", "quack", 3.8, 10.0)):
+            c = result(v, 1.0, s, sel, sel, controller=ctrl, max_logit=logit, study="m")
+            c["config"]["train"].update(optimizer="muon", muon_per_head="qk" if v == "muon-per-head" else "none")
+            write_json_atomic(res / c["cell"] / "result.json", c)
+    groups = analyze(*load_results([res]))["groups"]
+    assert {g["variant"]: g["controller"] for g in groups} == {"none": "none", "muon-per-head": "muon-per-head-qk",
+                                                               "quack": "quack"}
+    rows = {r["claim"]: r for r in claims_table(groups)}
+    assert rows["keeps attention logits smaller than no intervention (MHA)"]["measured"].startswith(
+        "quack / none at x1: 0.25"), rows["keeps attention logits smaller than no intervention (MHA)"]
+
+
 def _qkmap_study(tmp_path, seeds: int, effect: float = -0.1) -> list[dict]:
     """none, qknorm and qkmap at one rate; qkmap better than both by ``effect`` plus noise at every seed."""
     from qklab.study.analyze import analyze, load_results

@@ -227,6 +227,17 @@ def _method(method: str | None, model: dict[str, Any]) -> str | None:
     flags += ["sink"] if model.get("attn_sink") else []
     return "+".join([method, *flags]) if method is not None and flags else method
 
+def _controller(controller: str | None, train: dict[str, Any]) -> str | None:
+    """The optimizer-side intervention a group stands for: per-head Muon on W_Q and W_K
+    (``train.muon_per_head``) changes the Q/K updates, so a run under it is not the plain reference even
+    with no controller ("muon-per-head-qk"; on a controller: "compositional+muon-per-head-qk")."""
+    per_head = train.get("muon_per_head", "none")
+    if controller is None or train.get("optimizer") != "muon" or per_head == "none":
+        return controller
+    tag = f"muon-per-head-{per_head}"
+    return tag if controller == "none" else f"{controller}+{tag}"
+
+
 def _group(key: tuple, rs: list[dict]) -> dict[str, Any]:
     study, variant, point = key
     ok = [r for r in rs if r["status"] != "failed"]
@@ -266,7 +277,8 @@ def _group(key: tuple, rs: list[dict]) -> dict[str, Any]:
     cfg = first.get("config", {})
     return {"study": study, "variant": variant, "point": point, "order": 0,
             "attention": first.get("attention", cfg.get("model", {}).get("attention", "mha")),
-            "method": _method(first.get("method"), cfg.get("model", {})), "controller": first.get("controller"),
+            "method": _method(first.get("method"), cfg.get("model", {})),
+            "controller": _controller(first.get("controller"), cfg.get("train", {})),
             "qk_options": cfg.get("qk", {}).get("options", {}),  # e.g. {"quack": {"tau": 0.1, ...}}
             "seq_len": cfg.get("train", {}).get("seq_len"), "d_model": cfg.get("model", {}).get("d_model"),
             "n_cells": len(rs),
