@@ -381,24 +381,34 @@ def test_header_counts_finished_cells_from_the_study_file(tmp_path):
     assert "- `g`: complete: 3 of 3 cells finished (and 1 result" in md
 
 
+def _one_rate_groups(tmp_path, name: str, variants: tuple[str, ...], cells) -> list[dict]:
+    """The analysed groups of a study of ``variants`` at one rate and two seeds, its cells ``cells(seed)``."""
+    from qklab.study.analyze import analyze, load_results
+
+    res = tmp_path / name
+    write_json_atomic(res / "study.json", {"name": name, "config": "tiny", "seeds": [0, 1],
+                                           "variants": {v: {} for v in variants},
+                                           "protocol": {"reference": "none", "lr_mults": [1.0]}})
+    for s in (0, 1):
+        for c in cells(s):
+            write_json_atomic(res / c["cell"] / "result.json", c)
+    return analyze(*load_results([res]))["groups"]
+
+
 def test_a_gated_variant_is_not_standard_attention(tmp_path):
     """The demo's case: `gate-head` has method none and controller none, and a lower selection loss than
     `none` here; the claims about Standard attention still pair with `none`."""
     from qklab.report.claims import claims_table
-    from qklab.study.analyze import analyze, load_results
 
-    res = tmp_path / "g"
-    write_json_atomic(res / "study.json", {"name": "g", "config": "tiny", "seeds": [0, 1],
-                                           "variants": {v: {} for v in ("none", "gate-head", "qkmap")},
-                                           "protocol": {"reference": "none", "lr_mults": [1.0]}})
-    for s in (0, 1):
+    def cells(s):
         for v, method, sel, rep in (("none", "none", 4.0, 4.0), ("gate-head", "none", 3.5, 3.0),
                                     ("qkmap", "qkmap", 3.8, 3.7 + 0.01 * s)):
             c = result(v, 1.0, s, sel, rep, method=method, study="g")
             if v == "gate-head":
                 c["config"]["model"]["attn_gate"] = "head"
-            write_json_atomic(res / c["cell"] / "result.json", c)
-    groups = analyze(*load_results([res]))["groups"]
+            yield c
+
+    groups = _one_rate_groups(tmp_path, "g", ("none", "gate-head", "qkmap"), cells)
     assert {g["variant"]: g["method"] for g in groups} == {"none": "none", "gate-head": "none+gate-head",
                                                            "qkmap": "qkmap"}
     r = {r["claim"]: r for r in claims_table(groups)}["lower validation loss than Standard attention"]
@@ -409,24 +419,19 @@ def test_per_head_muon_is_not_the_reference(tmp_path):
     """logit_control_english's case: `muon-per-head` has method none and controller none, and a lower
     selection loss than `none`; QuacK's claims against no intervention still pair with `none`."""
     from qklab.report.claims import claims_table
-    from qklab.study.analyze import analyze, load_results
 
-    res = tmp_path / "m"
-    write_json_atomic(res / "study.json", {"name": "m", "config": "tiny", "seeds": [0, 1],
-                                           "variants": {v: {} for v in ("none", "muon-per-head", "quack")},
-                                           "protocol": {"reference": "none", "lr_mults": [1.0]}})
-    for s in (0, 1):
+    def cells(s):
         for v, ctrl, sel, logit in (("none", "none", 4.0, 40.0), ("muon-per-head", "none", 3.5, 80.0),
                                     ("quack", "quack", 3.8, 10.0)):
             c = result(v, 1.0, s, sel, sel, controller=ctrl, max_logit=logit, study="m")
             c["config"]["train"].update(optimizer="muon", muon_per_head="qk" if v == "muon-per-head" else "none")
-            write_json_atomic(res / c["cell"] / "result.json", c)
-    groups = analyze(*load_results([res]))["groups"]
+            yield c
+
+    groups = _one_rate_groups(tmp_path, "m", ("none", "muon-per-head", "quack"), cells)
     assert {g["variant"]: g["controller"] for g in groups} == {"none": "none", "muon-per-head": "muon-per-head-qk",
                                                                "quack": "quack"}
-    rows = {r["claim"]: r for r in claims_table(groups)}
-    assert rows["keeps attention logits smaller than no intervention (MHA)"]["measured"].startswith(
-        "quack / none at x1: 0.25"), rows["keeps attention logits smaller than no intervention (MHA)"]
+    row = {r["claim"]: r for r in claims_table(groups)}["keeps attention logits smaller than no intervention (MHA)"]
+    assert row["measured"].startswith("quack / none at x1: 0.25"), row
 
 
 def _qkmap_study(tmp_path, seeds: int, effect: float = -0.1) -> list[dict]:
