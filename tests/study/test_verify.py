@@ -32,6 +32,17 @@ def test_verify_passes_on_an_untouched_cell_and_fails_one_ulp_off(tmp_path, caps
     cap = capsys.readouterr()
     assert "a_lr1_s0: DIFFERS in 1 value(s): final.report_loss:" in cap.out
     assert cap.err.strip() == "qklab: verify: 1 of 1 cell(s) differ from their committed result: a_lr1_s0"
+    # where each ran: the same kind of machine here; the final losses one ulp apart
+    gap = math.nextafter(res["final"]["report_loss"], -math.inf) - res["final"]["report_loss"]  # retrained - committed
+    assert "where: the same kind of machine" in cap.out and f"committed ({gap:+.3g})" in cap.out
+    res["machines"] = [{**res["machines"][0], "cpu_capability": "AVX2"}]  # committed from another machine
+    write_json_atomic(path, res)
+    assert main(["study", "verify", str(res_dir)]) == 1
+    assert "float kernels differ between machines" in capsys.readouterr().out
+    del res["machines"]  # a result from before the machine was recorded
+    write_json_atomic(path, res)
+    assert main(["study", "verify", str(res_dir)]) == 1
+    assert "does not record its machine" in capsys.readouterr().out
 
 
 def test_verify_without_results_is_one_line(tmp_path, capsys):

@@ -78,6 +78,34 @@ def test_run_folder_has_config_metrics_checkpoints(tmp_path):
     assert [r["step"] for r in evals] == [10, 20]
 
 
+def test_config_records_the_machines_a_run_trained_on(tmp_path):
+    """config.json names the machine (CPU, the kernels torch dispatches to, threads); a resume on another
+    machine adds it from the step it resumed at, one on the same kind keeps the list as it was."""
+    t = Trainer(_cfg(tmp_path, "m"), log=lambda s: None)
+    for _ in range(10):
+        t.train_step()
+    t.save()
+    t.close()
+    info = json.loads((t.run_dir / "config.json").read_text())
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), None) if Path("/proc/cpuinfo").exists() else None
+    here = {"cpu": cpu or info["machines"][0]["cpu"], "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads()}
+    assert info["machines"] == [{"from_step": 0, **here}]
+    del t
+    other = {"from_step": 0, **here, "cpu_capability": "AVX2"}
+    info["machines"] = [other]  # as if the first 10 steps ran elsewhere
+    (tmp_path / "runs" / "m" / "config.json").write_text(json.dumps(info))
+    resumed = Trainer(_cfg(tmp_path, "m"), resume=True, log=lambda s: None)
+    resumed.close()
+    got = json.loads((resumed.run_dir / "config.json").read_text())["machines"]
+    assert got == [other, {"from_step": 10, **here}]
+    del resumed
+    again = Trainer(_cfg(tmp_path, "m"), resume=True, log=lambda s: None)  # the same machine again
+    again.close()
+    assert json.loads((again.run_dir / "config.json").read_text())["machines"] == got
+
+
 def test_existing_run_needs_resume_or_overwrite(tmp_path):
     from qklab.config import ConfigError
 

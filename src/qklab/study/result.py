@@ -116,6 +116,7 @@ def build_result(header: dict[str, Any], run_dir: Path, records: list[dict], uni
             "failure": None, "cell_hash": cell_hash, "git_sha": info.get("git_sha"), "corpus": info.get("corpus"),
             "config": {k: info[k] for k in ("model", "qk", "data", "train", "preset") if k in info},
             "versions": info.get("versions"), "n_params": info.get("n_params"), "device": info.get("device"),
+            "machines": info.get("machines"),
             "attention": m["attention"], "method": q["method"], "controller": q["controller"],
             "lr": info["train"]["lr"], "unigram_entropy": unigram,
             "final": {"step": records[-1]["step"] if records else 0, "val_loss": final_val, "report_loss": report,

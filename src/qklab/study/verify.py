@@ -27,6 +27,36 @@ class Verdict:
     cell: str
     same: bool
     differences: list[str] = field(default_factory=list)  # 'final.report_loss: 4.43 here, 4.4300000000000001 committed'
+    note: str = ""  # on a difference: where the two ran, and how far apart the final losses ended
+
+
+def _kind(m: dict[str, Any]) -> tuple:
+    """What a machine's floats depend on: its CPU, the kernels PyTorch dispatches to, its thread count, the GPU."""
+    return tuple(m.get(k) for k in ("cpu", "cpu_capability", "threads", "gpu"))
+
+
+def _describe(m: dict[str, Any]) -> str:
+    gpu = f", {m['gpu']}" if m.get("gpu") else ""
+    return f"{m.get('cpu')} ({m.get('cpu_capability')}, {m.get('threads')} thread(s){gpu})"
+
+
+def machine_note(committed: Any, retrained: Any, new: dict[str, Any], old: dict[str, Any]) -> str:
+    """Why two runs of one config may differ although the code is the same: the machines they ran on (a
+    cell recorded before results named their machine says so), and the size of the difference at the end
+    (report-split loss), to read against the seed-to-seed spread."""
+    here = (retrained or [{}])[-1]
+    if not committed:
+        where = ("the committed cell does not record its machine (results from before `machines` was recorded); "
+                 f"retrained on {_describe(here)}")
+    elif all(_kind(m) == _kind(here) for m in committed):
+        where = f"the same kind of machine ({_describe(here)}): not a machine difference"
+    else:
+        where = (f"trained on {'; '.join(_describe(m) for m in committed)}, retrained on {_describe(here)}: "
+                 "float kernels differ between machines, so bit for bit is not expected across them")
+    a, b = ((new.get("final") or {}).get("report_loss"), (old.get("final") or {}).get("report_loss"))
+    gap = (f"; final report loss {a:.4f} retrained, {b:.4f} committed ({a - b:+.3g})"
+           if isinstance(a, float) and isinstance(b, float) else "")
+    return where + gap
 
 
 def _canonical(v: Any) -> str:
@@ -112,7 +142,8 @@ def verify_cell(res: dict[str, Any], out: Path, log=print, results: Path | None 
         new["probe"] = _probe(run_dir, _probe_mult(res, cfg, results))
         keys.append("probe")
     diffs = hashed + _differences({k: new.get(k) for k in keys}, {k: res.get(k) for k in keys})
-    return Verdict(res["cell"], not diffs, diffs)
+    return Verdict(res["cell"], not diffs, diffs, machine_note(res.get("machines"), new.get("machines"), new, res)
+                   if diffs else "")
 
 
 def verify_results(results: Path, cells: int = 1, seed: int | None = None, out: Path | None = None,
@@ -166,6 +197,8 @@ def verify_results(results: Path, cells: int = 1, seed: int | None = None, out: 
             v = verify_cell(res, tmp, log=lambda s: None, results=results)
             log(f"  {v.cell}: " + ("identical, bit for bit" if v.same else
                                    f"DIFFERS in {len(v.differences)} value(s): " + "; ".join(v.differences[:3])))
+            if v.note:
+                log(f"    where: {v.note}")
             verdicts.append(v)
         return verdicts
     finally:

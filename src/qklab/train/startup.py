@@ -22,6 +22,39 @@ def versions() -> dict[str, str]:
             "python": platform.python_version()}
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what the platform says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    """What a run's float results depend on beyond code and config: the CPU kernels (the instruction set
+    PyTorch dispatches to), the thread count and the GPU. Two machines that differ here may part from
+    step 0 at float rounding, so a bit-for-bit check is a same-kind-of-machine check."""
+    out: dict[str, Any] = {"cpu": _cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                           "threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(device)
+    return out
+
+
+def machines(before: list[dict[str, Any]] | None, step: int, device: torch.device) -> list[dict[str, Any]]:
+    """The machines a run has trained on, each from the step it (re)started at: ``before`` (the run's record
+    so far, on a resume) and this one, when it differs from the last."""
+    here = machine(device)
+    kept = [m for m in before or [] if isinstance(m, dict) and m.get("from_step", 0) < step]
+    if kept and {k: v for k, v in kept[-1].items() if k != "from_step"} == here:
+        return kept
+    return [*kept, {"from_step": step, **here}]
+
+
 def pick_device(spec: str) -> torch.device:
     if spec == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA device is available; use train.device=cpu or auto")

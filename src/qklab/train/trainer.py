@@ -34,7 +34,7 @@ from qklab.train.checkpointer import Checkpointer
 from qklab.train.evaluate import eval_loss, max_attention_logits
 from qklab.train.optim import build_optimizer, lr_mult, set_lr
 from qklab.train.signals import RunInterrupted, StopSignals
-from qklab.train.startup import check_resume_config, pick_device, run_name, versions
+from qklab.train.startup import check_resume_config, machines, pick_device, run_name, versions
 from qklab.train.trackers import build_trackers
 from qklab.version import git_sha
 
@@ -168,8 +168,13 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _write_config(self) -> None:
+        before = None
+        if self.step > 0:  # a resume: the machines the run trained on so far, from its last config.json
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                before = json.loads((self.run_dir / "config.json").read_text()).get("machines")
         info = {**self.cfg.to_dict(), "git_sha": git_sha(), "corpus": self.data.fingerprint,
-                "versions": versions(), "n_params": self.model.num_params(), "device": str(self.device)}
+                "versions": versions(), "n_params": self.model.num_params(), "device": str(self.device),
+                "machines": machines(before, self.step, self.device)}
         atomic_write_text(self.run_dir / "config.json", json.dumps(info, indent=2) + "\n")
 
     def _log_line(self, msg: str, echo: bool = True) -> None:
