@@ -91,3 +91,39 @@ def test_verify_draws_among_each_named_variant(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err == (f"qklab: error: --variant z: no finished cell of it in {res_dir} (variants with finished "
                    "cells: a, b, c)")
+
+
+def test_verify_same_machine_draws_only_cells_trained_on_this_kind(tmp_path, capsys):
+    """--same-machine: cells recorded on another CPU kind, or recording no machine, are never drawn; a variant
+    left with none is one line, exit 2."""
+    raw = {"study": {"config": "tiny", "seeds": [0, 1], "set": {**SETS, "data.cache_dir": str(tmp_path / "cache")}},
+           "variants": {"a": {"qk.method": "qknorm"}, "b": {"qk.method": "none"}}}
+    res_dir = tmp_path / "res"
+    run_study(parse_study(raw, "v"), tmp_path / "o", res_dir, workers=0, threads=1, log=lambda s: None)
+    for cell, edit in [("a_lr1_s0", "other"), ("b_lr1_s0", "other"), ("b_lr1_s1", "none")]:
+        path = res_dir / cell / "result.json"
+        res = read_result(path)
+        if edit == "other":  # trained on another kind from step 3 on
+            res["machines"] = [res["machines"][0], {**res["machines"][0], "from_step": 3, "cpu_capability": "AVX2"}]
+        else:
+            del res["machines"]
+        write_json_atomic(path, res)
+    capsys.readouterr()
+    for seed in range(4):  # whatever the draw, only a_lr1_s1 is of this kind
+        assert main(["study", "verify", str(res_dir), "--same-machine", "--seed", str(seed), "--cells", "2",
+                     "--out", str(tmp_path / f"again{seed}")]) == 0
+        out = capsys.readouterr().out
+        assert "drawing among the 1 of 4 finished cells trained on this kind of machine" in out
+        assert [line.split()[1] for line in out.splitlines() if line.startswith("verify ")] == ["a_lr1_s1:"]
+    assert main(["study", "verify", str(res_dir), "--same-machine", "--variant", "b"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"qklab: error: --variant b: no finished cell of it trained on this kind of machine in {res_dir} "
+                   "(variants with finished cells trained on this kind of machine: a)")
+    res = read_result(res_dir / "a_lr1_s1" / "result.json")
+    del res["machines"]
+    write_json_atomic(res_dir / "a_lr1_s1" / "result.json", res)
+    assert main(["study", "verify", str(res_dir), "--same-machine"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"qklab: error: --same-machine: none of the 4 finished cells in {res_dir} was trained on "
+                          "this kind of machine (") and err.endswith("; 2 record no machine (results from before "
+                                                                    "`machines` was recorded)")

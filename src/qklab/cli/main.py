@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--seed", type=int, default=None, help="verify: the seed of the random draw")
     st.add_argument("--variant", default=None, metavar="NAME[,NAME...]",
                     help="verify: draw --cells among each named variant's cells (one sample per method)")
+    st.add_argument("--same-machine", action="store_true",
+                    help="verify: draw only among cells trained on this kind of machine (CPU model, kernels, GPU), "
+                    "where bit for bit is expected")
     st.add_argument("--why", default=None,
                     help="amend: why the registered claims or design change (kept in study.json)")
     st.add_argument("--allow-dirty", action="store_true",

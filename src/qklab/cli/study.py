@@ -141,7 +141,8 @@ def _verify(args: argparse.Namespace) -> int:
 
     verdicts = verify_results(Path(args.file), cells=getattr(args, "cells", 1), seed=getattr(args, "seed", None),
                               out=Path(args.out) if args.out else None, warn=warn,
-                              variants=[v for v in (getattr(args, "variant", None) or "").split(",") if v] or None)
+                              variants=[v for v in (getattr(args, "variant", None) or "").split(",") if v] or None,
+                              same_machine=getattr(args, "same_machine", False))
     bad = [v.cell for v in verdicts if not v.same]
     if bad:
         print(f"qklab: verify: {len(bad)} of {len(verdicts)} cell(s) differ from their committed result: "

@@ -40,6 +40,25 @@ def _describe(m: dict[str, Any]) -> str:
     return f"{m.get('cpu')} ({m.get('cpu_capability')}, {m.get('threads')} thread(s){gpu})"
 
 
+def _trained_here(res: dict[str, Any], here: dict[str, dict[str, Any]]) -> bool:
+    """Whether every machine a committed cell records is of this machine's kind (CPU model, kernels, GPU; the
+    thread count is the cell's own, set again when it is retrained): where bit for bit is expected."""
+    from qklab.train.startup import machine, pick_device
+
+    recorded = res.get("machines")
+    if not isinstance(recorded, list) or not recorded:
+        return False
+    spec = str(((res.get("config") or {}).get("train") or {}).get("device", "auto"))
+    if spec not in here:
+        try:
+            here[spec] = machine(pick_device(spec))
+        except ConfigError:  # a CUDA cell on a machine without one
+            here[spec] = {}
+    keys = ("cpu", "cpu_capability", "gpu")
+    return bool(here[spec]) and all(isinstance(m, dict) and all(m.get(k) == here[spec].get(k) for k in keys)
+                                    for m in recorded)
+
+
 def machine_note(committed: Any, retrained: Any, new: dict[str, Any], old: dict[str, Any]) -> str:
     """Why two runs of one config may differ although the code is the same: the machines they ran on (a
     cell recorded before results named their machine says so), and the size of the difference at the end
@@ -147,10 +166,13 @@ def verify_cell(res: dict[str, Any], out: Path, log=print, results: Path | None 
 
 
 def verify_results(results: Path, cells: int = 1, seed: int | None = None, out: Path | None = None,
-                   log=print, warn=None, variants: list[str] | None = None) -> list[Verdict]:
+                   log=print, warn=None, variants: list[str] | None = None,
+                   same_machine: bool = False) -> list[Verdict]:
     """Retrain ``cells`` finished (ok or diverged) cells of a results folder, drawn at random (``seed``), each
     in a fresh run folder under ``out`` (default: a temporary folder, removed after). ``variants``: draw
-    ``cells`` among each named variant's cells instead (a sample that covers each method's code)."""
+    ``cells`` among each named variant's cells instead (a sample that covers each method's code).
+    ``same_machine``: draw only among the cells trained on this kind of machine (float kernels differ between
+    kinds, so only there is bit for bit expected)."""
     import random
     import shutil
     import tempfile
@@ -169,13 +191,30 @@ def verify_results(results: Path, cells: int = 1, seed: int | None = None, out: 
             done.append(res)
     if not done:
         raise ConfigError(f"{results} holds no finished (ok or diverged) result.json to verify")
+    where = ""
+    if same_machine:
+        import torch
+
+        from qklab.train.startup import machine
+
+        here: dict[str, dict[str, Any]] = {}
+        kept = [r for r in done if _trained_here(r, here)]
+        unrecorded = sum(not r.get("machines") for r in done)
+        m = machine(torch.device("cpu"))
+        kind = f"{m['cpu']}, {m['cpu_capability']}"
+        if not kept:
+            raise ConfigError(f"--same-machine: none of the {len(done)} finished cells in {results} was trained on "
+                              f"this kind of machine ({kind})" + (f"; {unrecorded} record no machine (results "
+                              "from before `machines` was recorded)" if unrecorded else ""))
+        log(f"drawing among the {len(kept)} of {len(done)} finished cells trained on this kind of machine ({kind})")
+        done, where = kept, " trained on this kind of machine"
     rng = random.Random(seed)
     if variants:
         have = sorted({str(r.get("variant")) for r in done})
         unknown = [v for v in variants if v not in have]
         if unknown:
-            raise ConfigError(f"--variant {','.join(unknown)}: no finished cell of it in {results} (variants with "
-                              f"finished cells: {', '.join(have)})")
+            raise ConfigError(f"--variant {','.join(unknown)}: no finished cell of it{where} in {results} "
+                              f"(variants with finished cells{where}: {', '.join(have)})")
         pools = [[r for r in done if r.get("variant") == v] for v in dict.fromkeys(variants)]
         chosen = [r for pool in pools for r in rng.sample(pool, min(cells, len(pool)))]
     else:
