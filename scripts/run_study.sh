@@ -4,6 +4,8 @@
 # (scripts/commit_results.sh). Run it again, in a later session too, to continue where it stopped:
 #   scripts/run_study.sh qkmap_english            # the commit it was last started from, else HEAD
 #   scripts/run_study.sh qkmap_english 9c4d00a    # a given commit
+# Once its study file has changed since the commit it last ran from (a design amended with `qklab study
+# amend`), it runs nothing and names the commit to continue from, given once as above.
 # Needs this checkout's .venv (make setup); the clone imports its own src/ through PYTHONPATH.
 set -euo pipefail
 study=${1:?usage: scripts/run_study.sh STUDY [COMMIT]}
@@ -12,13 +14,21 @@ cd "$root"
 results=$root/docs/results/$study
 py=$root/.venv/bin/python
 [ -x "$py" ] || { echo "error: no $py; run make setup first" >&2; exit 2; }
+# the study file as git tracks it (studies/ may be a link to the package's src/qklab/studies)
+file=$(realpath --relative-to="$root" "studies/$study.toml")
 commit=${2:-}
 if [ -z "$commit" ] && [ -f "$results/study.json" ]; then  # the code it was last started from
   commit=$("$py" -c "import json,sys; c=json.load(open(sys.argv[1])).get('code') or [{}]; print(c[-1].get('commit') or '')" \
            "$results/study.json")
+  if [ -n "$commit" ] && ! git diff --quiet "$commit" HEAD -- "$file"; then  # amended since, or edited
+    echo "error: studies/$study.toml changed since commit ${commit:0:12}, the one the study last ran from; once" \
+         "the change is recorded with qklab study amend, continue from the commit that holds it:" \
+         "scripts/run_study.sh $study $(git log -1 --format=%h -- "$file")" >&2
+    exit 2
+  fi
 fi
 if [ -z "$commit" ]; then  # HEAD, in a clean clone; edits in this checkout are not part of the study
-  [ -z "$(git status --porcelain -- "studies/$study.toml")" ] || {
+  [ -z "$(git status --porcelain -- "$file")" ] || {
     echo "error: studies/$study.toml has uncommitted changes; commit them first (the study runs from HEAD)" >&2
     exit 2; }
   dirty=$(git status --porcelain --untracked-files=no | cut -c4- | paste -sd ' ' -)

@@ -5,6 +5,7 @@ rebuilds. scripts/install_corpus.sh: a pinned Debian version that the package li
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -158,6 +159,42 @@ def test_run_study_refuses_an_uncommitted_study_file(tmp_path):
     assert (rc, log) == (2, [])
     assert err.strip() == ("error: studies/a.toml has uncommitted changes; commit them first (the study runs from "
                            "HEAD)")
+
+
+def test_run_study_finds_an_uncommitted_study_file_behind_a_link(tmp_path):
+    """As in this repository, studies/ a link to the package's study files: git does not follow it, so the
+    check must name the file git tracks."""
+    repo = _repo(tmp_path)
+    (repo / "src").mkdir()
+    subprocess.run([*GIT, "mv", "studies", "src/studies"], cwd=repo, check=True)
+    (repo / "studies").symlink_to("src/studies")
+    subprocess.run([*GIT, "add", "studies"], cwd=repo, check=True)
+    subprocess.run([*GIT, "commit", "-qm", "link"], cwd=repo, check=True)
+    (repo / "src" / "studies" / "a.toml").write_text("[study]\nname = 'b'\n")
+    rc, log, err = _run_study(repo)
+    assert (rc, log) == (2, [])
+    assert err.strip().startswith("error: studies/a.toml has uncommitted changes")
+
+
+def test_run_study_refuses_to_continue_from_a_commit_whose_study_file_was_since_changed(tmp_path):
+    """A study continues from the commit it last ran from; once its file has changed in a later commit (a
+    design amended with qklab study amend), it says which commit to continue from, and runs nothing."""
+    repo = _repo(tmp_path)
+    first = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    results = repo / "docs" / "results" / "a"
+    results.mkdir(parents=True)
+    (results / "study.json").write_text(json.dumps({"name": "a", "code": [{"commit": first}]}))
+    assert _run_study(repo)[:2] == (0, [f"{first} -m qklab study run studies/a.toml --workers 2 --results "
+                                        f"{results} --out {tmp_path}/runs/a"])  # unchanged: it continues
+    (repo / "studies" / "a.toml").write_text("[study]\nname = 'a'\nseeds = [0, 1]\n")
+    subprocess.run([*GIT, "commit", "-qam", "amend"], cwd=repo, check=True)
+    amended = subprocess.run(["git", "log", "-1", "--format=%h"], cwd=repo, capture_output=True, text=True).stdout
+    (tmp_path / "log").unlink()
+    rc, log, err = _run_study(repo)
+    assert (rc, log) == (2, [])
+    assert err.strip() == (f"error: studies/a.toml changed since commit {first[:12]}, the one the study last ran "
+                           "from; once the change is recorded with qklab study amend, continue from the commit that "
+                           f"holds it: scripts/run_study.sh a {amended.strip()}")
 
 
 APT = """#!/usr/bin/env bash
