@@ -6,6 +6,7 @@ another code version than the one verifying it is named (numbers may then differ
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,9 +31,14 @@ class Verdict:
     note: str = ""  # on a difference: where the two ran, and how far apart the final losses ended
 
 
+def _hardware(m: dict[str, Any]) -> tuple:
+    """The machine's kind: its CPU, the kernels PyTorch dispatches to, the GPU."""
+    return tuple(m.get(k) for k in ("cpu", "cpu_capability", "gpu"))
+
+
 def _kind(m: dict[str, Any]) -> tuple:
-    """What a machine's floats depend on: its CPU, the kernels PyTorch dispatches to, its thread count, the GPU."""
-    return tuple(m.get(k) for k in ("cpu", "cpu_capability", "threads", "gpu"))
+    """What a machine's floats depend on: its kind and its thread count."""
+    return (*_hardware(m), m.get("threads"))
 
 
 def _describe(m: dict[str, Any]) -> str:
@@ -40,23 +46,24 @@ def _describe(m: dict[str, Any]) -> str:
     return f"{m.get('cpu')} ({m.get('cpu_capability')}, {m.get('threads')} thread(s){gpu})"
 
 
-def _trained_here(res: dict[str, Any], here: dict[str, dict[str, Any]]) -> bool:
-    """Whether every machine a committed cell records is of this machine's kind (CPU model, kernels, GPU; the
-    thread count is the cell's own, set again when it is retrained): where bit for bit is expected."""
+@functools.cache
+def _machine_here(device: str) -> dict[str, Any] | None:
+    """This machine as a run on ``device`` records it (None: a CUDA device this machine lacks)."""
     from qklab.train.startup import machine, pick_device
 
+    try:
+        return machine(pick_device(device))
+    except ConfigError:
+        return None
+
+
+def _trained_here(res: dict[str, Any]) -> bool:
+    """Whether every machine a committed cell records is of this machine's kind (the thread count is the
+    cell's own, set again when it is retrained): where bit for bit is expected."""
     recorded = res.get("machines")
-    if not isinstance(recorded, list) or not recorded:
-        return False
-    spec = str(((res.get("config") or {}).get("train") or {}).get("device", "auto"))
-    if spec not in here:
-        try:
-            here[spec] = machine(pick_device(spec))
-        except ConfigError:  # a CUDA cell on a machine without one
-            here[spec] = {}
-    keys = ("cpu", "cpu_capability", "gpu")
-    return bool(here[spec]) and all(isinstance(m, dict) and all(m.get(k) == here[spec].get(k) for k in keys)
-                                    for m in recorded)
+    here = _machine_here(str(((res.get("config") or {}).get("train") or {}).get("device", "auto")))
+    return (isinstance(recorded, list) and bool(recorded) and here is not None
+            and all(isinstance(m, dict) and _hardware(m) == _hardware(here) for m in recorded))
 
 
 def machine_note(committed: Any, retrained: Any, new: dict[str, Any], old: dict[str, Any]) -> str:
@@ -193,14 +200,9 @@ def verify_results(results: Path, cells: int = 1, seed: int | None = None, out: 
         raise ConfigError(f"{results} holds no finished (ok or diverged) result.json to verify")
     where = ""
     if same_machine:
-        import torch
-
-        from qklab.train.startup import machine
-
-        here: dict[str, dict[str, Any]] = {}
-        kept = [r for r in done if _trained_here(r, here)]
+        kept = [r for r in done if _trained_here(r)]
         unrecorded = sum(not r.get("machines") for r in done)
-        m = machine(torch.device("cpu"))
+        m = _machine_here("cpu")
         kind = f"{m['cpu']}, {m['cpu_capability']}"
         if not kept:
             raise ConfigError(f"--same-machine: none of the {len(done)} finished cells in {results} was trained on "
