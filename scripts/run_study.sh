@@ -55,6 +55,12 @@ committer=$!
 trap 'kill -TERM $run 2>/dev/null; wait $run; kill $committer 2>/dev/null' INT TERM
 status=0
 wait $run || status=$?
-sleep $((interval * 13 / 12))  # one more pass of the committer for the last cells
-kill $committer 2>/dev/null || true
+# the committer's last pass: wait while a finished cell is not yet committed (at most two intervals; none
+# when the run trained nothing or was refused), then stop it between commits, under its lock
+deadline=$((SECONDS + interval * 2 + 10))
+uncommitted() { git ls-files --others --exclude-standard -- "$results" | grep '/result\.json$' || true; }
+while [ -n "$(uncommitted)" ] && [ $SECONDS -lt $deadline ]; do
+  sleep 2
+done
+(flock 9; kill $committer 2>/dev/null || true) 9>"${TMPDIR:-/tmp}/qklab-commit.lock"
 exit $status

@@ -104,7 +104,17 @@ def test_rebuild_reports_leaves_running_studies_to_their_committer(tmp_path):
 PY_STUB = """#!/usr/bin/env bash
 if [ "$1" = -c ]; then exec python3 "$@"; fi
 echo "$(git rev-parse HEAD) $*" >> "$LOG"
+if [ -n "${CELL:-}" ]; then mkdir -p "$(dirname "$CELL")"; echo {} > "$CELL"; fi  # a cell that finished last
 exit "${RC:-0}"
+"""
+# a committer that takes a finished cell a few seconds after it lands, as scripts/commit_results.sh does
+COMMITTER = """#!/usr/bin/env bash
+while true; do
+  sleep 3
+  for f in $(git ls-files --others --exclude-standard -- "docs/results/$1" | grep '/result.json$'); do
+    git add "$f" && git -c user.name=t -c user.email=t@t commit -qm "results: $f" -- "$f"
+  done
+done
 """
 GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
 
@@ -130,10 +140,11 @@ def _repo(tmp_path: Path) -> Path:
     return repo
 
 
-def _run_study(repo: Path, rc: int = 0) -> tuple[int, list[str], str]:
+def _run_study(repo: Path, rc: int = 0, interval: int = 0, cell: str = "") -> tuple[int, list[str], str]:
     log = repo.parent / "log"
-    p = subprocess.run(["bash", "scripts/run_study.sh", "a"], cwd=repo, capture_output=True, text=True,
-                       env={"PATH": "/usr/bin:/bin", "LOG": str(log), "RC": str(rc), "QKLAB_COMMIT_INTERVAL": "0",
+    p = subprocess.run(["bash", "scripts/run_study.sh", "a"], cwd=repo, capture_output=True, text=True, timeout=60,
+                       env={"PATH": "/usr/bin:/bin", "LOG": str(log), "RC": str(rc),
+                            "QKLAB_COMMIT_INTERVAL": str(interval), "CELL": cell, "TMPDIR": str(repo.parent),
                             "QKLAB_RUNS": str(repo.parent / "runs"), "HOME": str(repo.parent)})
     return p.returncode, log.read_text().splitlines() if log.exists() else [], p.stderr
 
@@ -150,6 +161,26 @@ def test_run_study_starts_from_head_in_a_clean_clone(tmp_path):
                    f"--out {tmp_path}/runs/a"]
     assert "note: uncommitted changes (notes.md) are not part of this study; it runs from HEAD" in err
     assert (tmp_path / "runs" / "clones" / f"a-{head[:12]}" / "notes.md").read_text() == "one\n"
+
+
+def test_run_study_ends_with_a_refused_run_without_waiting_for_the_committer(tmp_path):
+    """A run that trains nothing (refused, or every cell done) leaves nothing to commit: the script ends at
+    once, not one committer interval (here 10 minutes, beyond the call's timeout) later."""
+    repo = _repo(tmp_path)
+    (repo / "scripts" / "commit_results.sh").write_text(COMMITTER)
+    rc, log, _ = _run_study(repo, rc=2, interval=600)
+    assert (rc, len(log)) == (2, 1)
+
+
+def test_run_study_waits_for_the_committer_to_take_the_last_cell(tmp_path):
+    """The cell that finished last is committed before the script ends (the committer takes it seconds
+    later: the script waits for it rather than a fixed time, and stops the committer only then)."""
+    repo = _repo(tmp_path)
+    (repo / "scripts" / "commit_results.sh").write_text(COMMITTER)
+    cell = repo / "docs" / "results" / "a" / "none_lr1_s0" / "result.json"
+    assert _run_study(repo, cell=str(cell))[0] == 0
+    committed = subprocess.run(["git", "log", "--format=%s"], cwd=repo, capture_output=True, text=True).stdout
+    assert committed.splitlines()[0] == "results: docs/results/a/none_lr1_s0/result.json"
 
 
 def test_run_study_refuses_an_uncommitted_study_file(tmp_path):
