@@ -362,6 +362,31 @@ def test_claims_take_the_rate_tuned_variant_not_a_one_rate_ablation(tmp_path):
     assert r["verdict_old"] == "agree" and r["verdict"] == "underpowered"
 
 
+def test_claims_take_the_study_with_more_seeds_not_a_ladder_with_a_wider_grid(tmp_path):
+    """The English reports' case: a comparison run in a study built for it (here 3 seeds, 2 rates) and in a
+    2-seed width ladder that tunes the same methods on a wider grid (4 rates) is read on the study with more
+    paired seeds, not on the ladder's wider grid."""
+    from qklab.report.claims import claims_table
+    from qklab.study.analyze import analyze, load_results
+
+    dirs = []
+    for name, seeds, mults, gap in (("main", 3, (1.0, 2.0), -0.30), ("ladder", 2, (0.5, 1.0, 2.0, 4.0), +0.20)):
+        res = tmp_path / name
+        write_json_atomic(res / "study.json", {"name": name, "config": "tiny", "seeds": list(range(seeds)),
+                                               "variants": {"none": {}, "qkmap": {}},
+                                               "protocol": {"reference": "none", "lr_mults": list(mults)}})
+        for s in range(seeds):
+            for m in mults:
+                for v, d in (("none", 0.0), ("qkmap", gap)):
+                    loss = 4.0 + 0.1 * abs(m - 1) + d + 0.01 * s
+                    c = result(v, m, s, loss, loss, method=v, study=name)
+                    write_json_atomic(res / c["cell"] / "result.json", c)
+        dirs.append(res)
+    rows = {r["claim"]: r for r in claims_table(analyze(*load_results(dirs))["groups"])}
+    r = rows["lower validation loss than Standard attention"]
+    assert r["measured"].startswith("qkmap - none: -0.300") and "n=3" in r["measured"], r
+
+
 def test_header_counts_finished_cells_from_the_study_file(tmp_path):
     """Each study's line says how many of its cells (study.json's list) have results, and counts apart
     the results of cells that left the study (a grid moved mid-study)."""

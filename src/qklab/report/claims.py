@@ -80,9 +80,10 @@ def _option(g: dict, key: str):
 
 def _places(groups, a: tuple, b: tuple) -> tuple[list[tuple[dict, dict]], str]:
     """Pairs (x of kind a, y of kind b) that ran in the same study and grid point, so that they share the
-    data, the shape and the optimizer: the pairs with the widest rate grids first (the study built to
-    tune them, not a width ladder at two fixed rates; within it, variants that tuned their own rate, not
-    an ablation run at one rate borrowed from its family), then by selection loss. Else [] and why not."""
+    data, the shape and the optimizer: the pairs with the most paired seeds first (the study built to test
+    the two, not a 2-seed width ladder that tunes them too), then the widest rate grids (not a ladder at
+    two fixed rates; within a study, variants that tuned their own rate, not an ablation run at one rate
+    borrowed from its family), then by selection loss. Else [] and why not."""
     ga, gb = _find(groups, *a), _find(groups, *b)
     if not ga or not gb:
         missing = [_name(x) for x, g in ((a, ga), (b, gb)) if not g]
@@ -94,7 +95,10 @@ def _places(groups, a: tuple, b: tuple) -> tuple[list[tuple[dict, dict]], str]:
     for g in ga + gb:
         k = (g["study"], g["point"])  # the point is its label, a string
         width[k] = max(width.get(k, 0), len(g["sweep"]))
-    pairs.sort(key=lambda p: (-width[(p[0]["study"], p[0]["point"])],  # stable: selection order kept
+    def seeds(x: dict, y: dict) -> int:  # seeds with both at their chosen rate
+        return len(x["at_chosen"]["report_loss"].keys() & y["at_chosen"]["report_loss"].keys())
+
+    pairs.sort(key=lambda p: (-seeds(*p), -width[(p[0]["study"], p[0]["point"])],  # stable: selection order kept
                               -min(len(p[0]["sweep"]), len(p[1]["sweep"]))))
     return pairs, ""
 
