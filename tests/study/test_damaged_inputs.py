@@ -145,6 +145,31 @@ def test_queue_packs_a_ladder_costliest_first_within_each_seed():
     assert order == [(0, 128), (0, 64), (0, 32), (1, 128), (1, 64), (1, 32)]
 
 
+def test_a_ladders_cost_counts_the_output_head():
+    """ladder_english's widths 64 and 256 (4 layers, 256 tokens, BPE 4096) cost about 1 : 8 a cell, as measured
+    (studies/ladder_english.toml): blocks and attention alone would say 1 : 13, the head brings it to 8.5."""
+    from qklab.study.runner import expected_cost
+
+    raw = {"study": {"config": "tiny", "seeds": [0], "set": {"model.n_layers": 4, "model.n_heads": 1,
+                                                             "train.seq_len": 256, "model.max_seq_len": 256,
+                                                             "data.tokenizer": "bpe", "data.vocab_size": 4096}},
+           "grid": {"shape": [{"model.d_model": 64}, {"model.d_model": 256}]}, "variants": {"a": {}}}
+    narrow, wide = parse_study(raw, "ladder").cells
+    assert expected_cost(wide) / expected_cost(narrow) == pytest.approx(8.5)
+
+
+def test_progress_eta_weighs_the_cells_by_cost():
+    """The progress lines' ETA: with the cheap cell done in 10 s and the one costing 8 times as much not
+    started, 80 s are left (counting steps alone would say 10); halfway through the costly one, 40 s."""
+    from qklab.study.workers import time_left_s
+
+    steps, cost = {"narrow": 100, "wide": 100}, {"narrow": 1.0, "wide": 8.0}
+    assert time_left_s(10.0, {"narrow": 100}, steps, cost) == pytest.approx(80.0)
+    assert time_left_s(50.0, {"narrow": 100, "wide": 50}, steps, cost) == pytest.approx(50.0 * 4 / 5)
+    assert time_left_s(10.0, {"narrow": 100}, steps, steps) == pytest.approx(10.0)  # no costs: by steps
+    assert time_left_s(10.0, {}, steps, cost) != time_left_s(10.0, {}, steps, cost)  # nothing done yet: NaN
+
+
 def test_a_large_study_says_how_many_cells_before_checking_them(monkeypatch):
     import qklab.study.spec as spec
 

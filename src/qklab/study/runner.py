@@ -252,10 +252,13 @@ def record_code(code: CodeVersion, results: Path) -> dict[str, Any]:
 
 
 def expected_cost(cell: Cell) -> float:
-    """The relative cost of a cell: tokens trained x parameters of its blocks (a ladder's widths differ)."""
+    """The relative cost of a cell: tokens trained x (its blocks' parameters and attention per token, plus
+    the output head's, which at a small width costs as much as the blocks): a ladder's widths differ."""
     m, t = cell.cfg.model, cell.cfg.train
     tokens = float(t.steps) * t.batch_size * getattr(t, "grad_accum", 1) * t.seq_len
-    return tokens * m.n_layers * (12 * m.d_model ** 2 + t.seq_len * m.d_model)
+    d = cell.cfg.data  # vocab_size 0: the tokenizer's (BPE: the requested size; bytes: 256 and one special)
+    vocab = m.vocab_size or (d.vocab_size if d.tokenizer == "bpe" else 257)
+    return tokens * (m.n_layers * (12 * m.d_model ** 2 + t.seq_len * m.d_model) + vocab * m.d_model)
 
 
 def queue_order(cells: list[Cell], study: Study) -> list[Cell]:
@@ -358,7 +361,8 @@ def _run_study(study: Study, out: Path, results: Path, workers: int, log, thread
                 bar.update(steps[cell.id])
                 note_finished(cell, res, outcome, bar, steps, log)
         else:
-            run_pool(runnable, study, out, results, workers, threads, outcome, bar, steps, log, rec)
+            run_pool(runnable, study, out, results, workers, threads, outcome, bar, steps, log, rec,
+                     {c.id: expected_cost(c) for c in runnable})
     finally:
         bar.close()
     c = outcome.counts()

@@ -170,8 +170,20 @@ def _show_running(bar, running: int, outcome: Outcome, queued: int) -> None:
                         f"failed {c['failed']}", refresh=False)
 
 
+def time_left_s(elapsed: float, done_steps: dict[str, int], steps: dict[str, int], cost: dict[str, float]) -> float:
+    """Seconds left at the pace so far: ``elapsed`` x the cost left / the cost done, each cell's cost
+    (``runner.expected_cost``: a ladder's widest cell costs several of its narrowest) spread evenly over its
+    steps; NaN before a step is done."""
+    done = sum(cost[c] * min(done_steps.get(c, 0), n) / n for c, n in steps.items() if n > 0)
+    total = sum(cost[c] for c, n in steps.items() if n > 0)
+    return elapsed * (total - done) / done if done > 0 else float("nan")
+
+
 def run_pool(cells: list[Cell], study: Study, out: Path, results: Path, workers: int, threads: int,
-          outcome: Outcome, bar, steps: dict[str, int], log, code: dict[str, Any] | None = None) -> None:
+          outcome: Outcome, bar, steps: dict[str, int], log, code: dict[str, Any] | None = None,
+          cost: dict[str, float] | None = None) -> None:
+    """Train ``cells``, ``workers`` at a time, each in a process of its own. ``cost``: each cell's relative
+    cost, for the ETA of the progress lines (None: its steps)."""
     ctx = _context()
     queue, running = list(cells), {}
     before: dict[str, tuple | None] = {}  # cell id -> the result file there when its worker started
@@ -228,7 +240,7 @@ def run_pool(cells: list[Cell], study: Study, out: Path, results: Path, workers:
                 note_finished(cell, res, outcome, bar, steps, log)
             if bar.disable and time.time() - last_note > 60:  # no terminal: a line a minute, with an ETA
                 c, done, total = outcome.counts(), progress["steps"], sum(steps.values())
-                eta = (time.time() - t_start) * (total - done) / done if done else float("nan")
+                eta = time_left_s(time.time() - t_start, counted, steps, cost or steps)
                 log(f"  {done}/{total} steps; running {len(running)}, done {c['ok']}, diverged {c['diverged']}, "
                     f"failed {c['failed']}, queued {len(queue)}; ETA {eta / 60:.1f} min")
                 last_note = time.time()
