@@ -254,10 +254,11 @@ def record_code(code: CodeVersion, results: Path) -> dict[str, Any]:
 def expected_cost(cell: Cell) -> float:
     """The relative cost of a cell: tokens trained x (its blocks' parameters and attention per token, plus
     the output head's, which at a small width costs as much as the blocks): a ladder's widths differ."""
-    m, t = cell.cfg.model, cell.cfg.train
+    from qklab.data.tokenizer import ByteTokenizer
+
+    m, t, d = cell.cfg.model, cell.cfg.train, cell.cfg.data
     tokens = float(t.steps) * t.batch_size * getattr(t, "grad_accum", 1) * t.seq_len
-    d = cell.cfg.data  # vocab_size 0: the tokenizer's (BPE: the requested size; bytes: 256 and one special)
-    vocab = m.vocab_size or (d.vocab_size if d.tokenizer == "bpe" else 257)
+    vocab = m.vocab_size or (d.vocab_size if d.tokenizer == "bpe" else ByteTokenizer().vocab_size)  # 0: the tokenizer's
     return tokens * (m.n_layers * (12 * m.d_model ** 2 + t.seq_len * m.d_model) + vocab * m.d_model)
 
 
