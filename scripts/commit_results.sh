@@ -2,6 +2,9 @@
 # Commit a running study's results cell by cell: every INTERVAL seconds, any result.json that finished
 # under docs/results/STUDY since the last commit is committed together with the study's rebuilt report
 # (tests/report/test_published.py checks that a committed report matches the result files beside it).
+# A commit holds exactly the cells its report was built from (the report's report.json names them): a cell
+# that finished while the report was being built waits for the next pass, so short cells finishing faster
+# than a report builds never hold up the commits.
 # Run it beside `qklab study run ... --results docs/results/STUDY`, from the repository root:
 #   scripts/commit_results.sh qkmap_cpu            # stop it with Ctrl-C or kill; nothing is half-committed
 # Only docs/results/STUDY is committed; the report's HTML copy (figures inlined) is not kept.
@@ -17,17 +20,21 @@ lock=${TMPDIR:-/tmp}/qklab-commit.lock  # shared with any other commit made unde
 new_cells() {
   git ls-files --others --exclude-standard -- "$d" | sed -n "s#^$d/\([^/]*\)/result.json\$#\1#p" | sort
 }
+# the cells the report was built from, and those whose files it skipped (damaged or duplicate) but which
+# were there before it started: both go into the commit beside it
+built_from() {
+  python3 -c "import json,sys; print('\n'.join(c.rsplit('/', 1)[-1] for c in json.load(open(sys.argv[1]))['cells']))" \
+    "$d/report/report.json"
+  printf '%s\n' $before
+}
 
 while true; do
   if [ -n "$(new_cells)" ]; then
-    while true; do  # rebuild until no cell finished during the build
-      before=$(ls "$d"/*/result.json)
-      nice -n 10 "$qklab" report "$d" --out "$d/report" --title "qklab study: $study" > /dev/null
-      rm -f "$d/report/report.html"
-      [ "$before" = "$(ls "$d"/*/result.json)" ] && break
-    done
-    cells=$(new_cells)
-    done_n=$(ls "$d"/*/result.json | wc -l)
+    before=$(new_cells)
+    nice -n 10 "$qklab" report "$d" --out "$d/report" --title "qklab study: $study" > /dev/null
+    rm -f "$d/report/report.html"
+    cells=$(comm -12 <(new_cells) <(built_from | sort -u))
+    done_n=$(( $(git ls-files -- "$d" | grep -c '/result\.json$' || true) + $(echo "$cells" | grep -c . || true) ))
     total=$(python3 -c "import json,sys; print(len(json.load(open(sys.argv[1])).get('cells', [])) or '?')" "$d/study.json")
     state=$([ "$done_n" = "$total" ] && echo "complete report" || echo "partial report")
     (

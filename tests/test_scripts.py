@@ -263,3 +263,61 @@ def test_install_corpus_updates_the_package_lists_for_a_pin_they_do_not_know(tmp
     calls = (tmp_path / "calls").read_text().splitlines()
     assert ("apt-get update -q" in calls) is not listed
     assert calls[-1].startswith("apt-get download")
+
+
+# a report that lists the cells it read, as `qklab report` does in report.json; while it builds, the next
+# pending cell finishes (cells shorter than a report build: the commits must still move on)
+REPORT_STUB = """#!/usr/bin/env bash
+d=$2 out=$4
+mkdir -p "$out"
+python3 - "$d" "$out" "$PENDING" <<'PY'
+import json, pathlib, shutil, sys
+d, out, pending = map(pathlib.Path, sys.argv[1:])
+cells = sorted(p.parent.name for p in d.glob("*/result.json"))
+(out / "report.json").write_text(json.dumps({"cells": [f"a/{c}" for c in cells]}))
+(out / "report.md").write_text(" ".join(cells))
+for p in sorted(pending.iterdir())[:1]:
+    shutil.move(str(p), str(d / p.name))
+PY
+"""
+
+
+def test_commit_results_commits_exactly_the_cells_its_report_was_built_from(tmp_path):
+    """scripts/commit_results.sh: a cell that finishes while the report builds waits for the next pass, so
+    every commit's report names exactly the cells committed beside it, and cells that finish faster than a
+    report builds still get committed one pass at a time (the committer once rebuilt until no cell had
+    landed during a build, and with such cells never committed). It stops when the study is complete."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "commit_results.sh", repo / "scripts")
+    d = repo / "docs" / "results" / "a"
+    d.mkdir(parents=True)
+    names = [f"none_lr{i}_s0" for i in range(4)]
+    (d / "study.json").write_text(json.dumps({"cells": names}))
+    pending = tmp_path / "pending"
+    for i, name in enumerate(names):
+        (pending if i else d).joinpath(name).mkdir(parents=True)
+        (pending if i else d).joinpath(name, "result.json").write_text("{}")
+    stub = tmp_path / "qklab"
+    stub.write_text(REPORT_STUB)
+    stub.chmod(0o755)
+    subprocess.run([*GIT, "init", "-q"], cwd=repo, check=True)
+    subprocess.run([*GIT, "add", "scripts", "docs/results/a/study.json"], cwd=repo, check=True)
+    subprocess.run([*GIT, "commit", "-qm", "x"], cwd=repo, check=True)
+    who = {f"GIT_{r}_{k}": v for r in ("AUTHOR", "COMMITTER") for k, v in (("NAME", "t"), ("EMAIL", "t@t"))}
+    p = subprocess.run(["bash", "scripts/commit_results.sh", "a", "0"], cwd=repo, capture_output=True, text=True,
+                       timeout=60, env={"PATH": "/usr/bin:/bin", "QKLAB": str(stub), "PENDING": str(pending),
+                                        "TMPDIR": str(tmp_path), "HOME": str(tmp_path), **who})
+    assert p.returncode == 0, p.stderr
+    log = subprocess.run(["git", "log", "--reverse", "--format=%H %s"], cwd=repo, capture_output=True,
+                         text=True).stdout.splitlines()[1:]
+    assert [s.split(" ", 1)[1] for s in log] == [
+        f"results: a, {i + 1} of 4 cells (new: {name}); {'complete' if i == 3 else 'partial'} report"
+        for i, name in enumerate(names)]
+    for line in log:  # each commit: its report names exactly the cells in its tree
+        sha = line.split()[0]
+        tree = subprocess.run(["git", "ls-tree", "-r", "--name-only", sha, "docs/results/a"], cwd=repo,
+                              capture_output=True, text=True).stdout.split()
+        report = json.loads(subprocess.run(["git", "show", f"{sha}:docs/results/a/report/report.json"], cwd=repo,
+                                           capture_output=True, text=True).stdout)
+        assert report["cells"] == [f"a/{t.split('/')[-2]}" for t in tree if t.endswith("/result.json")]
