@@ -321,3 +321,36 @@ def test_commit_results_commits_exactly_the_cells_its_report_was_built_from(tmp_
         report = json.loads(subprocess.run(["git", "show", f"{sha}:docs/results/a/report/report.json"], cwd=repo,
                                            capture_output=True, text=True).stdout)
         assert report["cells"] == [f"a/{t.split('/')[-2]}" for t in tree if t.endswith("/result.json")]
+
+
+def test_count_baselines_reads_the_splits_a_study_reads(tmp_path):
+    """scripts/count_baselines.py: the count models of a corpus's training split, read on its selection and
+    report splits as prepare_data cuts them; a user's mistake is one line and exit 2."""
+    import sys
+
+    import numpy as np
+
+    from qklab.config import load_config
+    from qklab.data import prepare_data, unigram_cross_entropy, unigram_entropy
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    rng = np.random.default_rng(0)
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far"]
+    for i in range(60):
+        (docs / f"d{i}.txt").write_text(" ".join(rng.choice(words, 80)) + ".\n")
+    sets = [f"data.source={docs}", "data.tokenizer=bytes", f"data.cache_dir={tmp_path / 'cache'}"]
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "count_baselines.py"), *(f"--set={s}" for s in sets)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout)
+    data = prepare_data(load_config("small", sets).data, log=lambda s: None)
+    train, select, report = data.train_tokens(), data.select_tokens(), data.report_tokens()
+    assert got["tokens"] == {"train": train.size, "select": select.size, "report": report.size}
+    assert got["nats"]["unigram_report"] == pytest.approx(unigram_cross_entropy(train, report, data.vocab_size))
+    assert got["nats"]["unigram_entropy_select"] == pytest.approx(unigram_entropy(select, data.vocab_size))
+    assert got["nats"]["bigram_report"] < got["nats"]["unigram_report"]  # ten words: one byte of context helps
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "count_baselines.py"), "--set", "data.bogus=1"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1
+    assert p.stderr.startswith("error: unknown key 'data.bogus'")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from .config import DataConfig, DataError
 from .loader import TokenLoader
 from .prepare import PreparedData, prepare_data
-from .stats import unigram_entropy
+from .stats import bigram_cross_entropy, unigram_cross_entropy, unigram_entropy
 from .tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 
 __all__ = [
@@ -16,6 +16,8 @@ __all__ = [
     "PreparedData",
     "TokenLoader",
     "Tokenizer",
+    "bigram_cross_entropy",
     "prepare_data",
+    "unigram_cross_entropy",
     "unigram_entropy",
 ]
