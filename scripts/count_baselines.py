@@ -24,12 +24,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.set)
         data = prepare_data(cfg.data, log=lambda s: print(s, file=sys.stderr))
-        out = count_baselines(data.train_tokens(), data.select_tokens(), data.report_tokens(), data.vocab_size)
+        splits = {"train": data.train_tokens(), "select": data.select_tokens(), "report": data.report_tokens()}
+        out = count_baselines(*splits.values(), data.vocab_size)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tokens = {"train": int(data.train_tokens().size), "select": int(data.select_tokens().size),
-              "report": int(data.report_tokens().size)}
+    tokens = {k: int(x.size) for k, x in splits.items()}
     print(json.dumps({"config": args.config, "set": args.set, "vocab_size": data.vocab_size, "tokens": tokens,
                       "corpus": data.fingerprint, "nats": out}, indent=1))
     return 0

@@ -32,27 +32,27 @@ def _counts(tokens: np.ndarray, vocab_size: int, what: str, least: int = 2) -> n
     return np.bincount(tokens.ravel(), minlength=vocab_size)  # (V,)
 
 
+def _unigram_probs(train: np.ndarray, vocab_size: int, what: str, least: int) -> np.ndarray:
+    """train's (M,) token frequencies, add-1/2 smoothed: p(b) = (c(b) + 1/2) / (M + V/2), (V,)."""
+    c = _counts(train, vocab_size, what, least).astype(np.float64)
+    return (c + 0.5) / (c.sum() + 0.5 * vocab_size)
+
+
 def unigram_cross_entropy(train: np.ndarray, heldout: np.ndarray, vocab_size: int) -> float:
     """Cross-entropy in nats of heldout (N,) under the token frequencies of train (M,), add-1/2 smoothed:
     p(b) = (c(b) + 1/2) / (M + V/2). The loss of a model that has learned train's frequencies and no context."""
-    c = _counts(train, vocab_size, "unigram_cross_entropy", 1).astype(np.float64)
+    p = _unigram_probs(train, vocab_size, "unigram_cross_entropy", 1)
     _counts(heldout, vocab_size, "unigram_cross_entropy", 1)
-    p = (c + 0.5) / (c.sum() + 0.5 * vocab_size)  # (V,)
     return float(-np.log(p[np.asarray(heldout, dtype=np.int64)]).mean())
 
 
-def bigram_cross_entropy(train: np.ndarray, heldout: np.ndarray, vocab_size: int, strength: float) -> float:
-    """Cross-entropy in nats of each next token of heldout (N,) given the one before it, under train's (M,)
-    bigram counts smoothed toward its unigram frequencies p (as `unigram_cross_entropy`):
-    p(b | a) = (c(a, b) + s p(b)) / (c(a) + s), with s = strength x V. The loss of a count model that
-    sees one token of context: a language model trained on train should come in under it.
-    Counts are kept sparse (the distinct pairs of train), so a large vocabulary costs no V x V table."""
-    if not strength > 0:
-        raise DataError(f"bigram_cross_entropy: strength {strength!r} must be above 0")
+def _bigram_counts(train: np.ndarray, heldout: np.ndarray, vocab_size: int) -> tuple[np.ndarray, ...]:
+    """For each next token b of heldout (N,) after a: c(a, b) and c(a) in train (M,) and p(b) as
+    `unigram_cross_entropy`, each (N-1,). Counts are kept sparse (the distinct pairs of train), so a large
+    vocabulary costs no V x V table."""
     v = vocab_size
-    uni = _counts(train, v, "bigram_cross_entropy").astype(np.float64)
+    p = _unigram_probs(train, v, "bigram_cross_entropy", 2)
     _counts(heldout, v, "bigram_cross_entropy")
-    p = (uni + 0.5) / (uni.sum() + 0.5 * v)  # (V,)
     t = np.asarray(train, dtype=np.int64)
     pairs, n = np.unique(t[:-1] * v + t[1:], return_counts=True)  # sorted codes a*V+b of train, (P,)
     ctx = np.bincount(t[:-1], minlength=v).astype(np.float64)  # c(a): a as a context, (V,)
@@ -60,9 +60,23 @@ def bigram_cross_entropy(train: np.ndarray, heldout: np.ndarray, vocab_size: int
     a, b = h[:-1], h[1:]  # (N-1,)
     code = a * v + b
     at = np.minimum(np.searchsorted(pairs, code), pairs.size - 1)
-    c_ab = np.where(pairs[at] == code, n[at], 0).astype(np.float64)
-    s = strength * v
-    return float(-np.log((c_ab + s * p[b]) / (ctx[a] + s)).mean())
+    return np.where(pairs[at] == code, n[at], 0).astype(np.float64), ctx[a], p[b]
+
+
+def _bigram_nll(counts: tuple[np.ndarray, ...], vocab_size: int, strength: float) -> float:
+    if not strength > 0:
+        raise DataError(f"bigram_cross_entropy: strength {strength!r} must be above 0")
+    c_ab, c_a, p_b = counts
+    s = strength * vocab_size
+    return float(-np.log((c_ab + s * p_b) / (c_a + s)).mean())
+
+
+def bigram_cross_entropy(train: np.ndarray, heldout: np.ndarray, vocab_size: int, strength: float) -> float:
+    """Cross-entropy in nats of each next token of heldout (N,) given the one before it, under train's (M,)
+    bigram counts smoothed toward its unigram frequencies p (as `unigram_cross_entropy`):
+    p(b | a) = (c(a, b) + s p(b)) / (c(a) + s), with s = strength x V. The loss of a count model that
+    sees one token of context: a language model trained on train should come in under it."""
+    return _bigram_nll(_bigram_counts(train, heldout, vocab_size), vocab_size, strength)
 
 
 def count_baselines(train: np.ndarray, select: np.ndarray, report: np.ndarray, vocab_size: int,
@@ -70,7 +84,8 @@ def count_baselines(train: np.ndarray, select: np.ndarray, report: np.ndarray, v
     """The loss a language model should beat on a corpus, as a study reads it: the unigram and bigram count
     models of train, the bigram's smoothing strength chosen on the selection split and both read on the
     report split; and the entropy of the selection split's own token frequencies, a study's divergence line."""
-    by_s = {s: bigram_cross_entropy(train, select, vocab_size, s) for s in strengths}
+    on_select = _bigram_counts(train, select, vocab_size)  # counted once, read at every strength
+    by_s = {s: _bigram_nll(on_select, vocab_size, s) for s in strengths}
     best = min(by_s, key=by_s.get)
     return {"unigram_entropy_select": unigram_entropy(select, vocab_size),
             "unigram_select": unigram_cross_entropy(train, select, vocab_size),
