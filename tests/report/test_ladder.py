@@ -69,3 +69,25 @@ def test_a_missing_middle_width_leaves_its_columns_out(tmp_path):
     assert [h for h in head if h.startswith("gap at")] == ["gap at width 64 (95% CI; rates)",
                                                            "gap at width 256 (95% CI; rates)"]
     assert rows[0][-3] == _ci(np.subtract(GAP[256], GAP[64]))
+
+
+def test_figures_give_each_width_its_own_panel(tmp_path, monkeypatch):
+    """A ladder's figures draw each width in a panel of its own, where its variants compete; each series
+    holds that width's cells (the planted selection losses), and a method keeps one colour at every width."""
+    from qklab.report import figures
+
+    data = figures.figure_data({"groups": _ladder(tmp_path)})
+    sens = data["lr_sensitivity"]
+    assert sorted(sens) == sorted(f"mha [shape={w}]" for w in (64, 128, 256))
+    for w in (64, 128, 256):
+        base = 5.0 + np.mean(NOISE) - 0.1 * (w // 64)  # mean over seeds of the planted selection losses
+        panel = sens[f"mha [shape={w}]"]
+        assert set(panel) == {"none", "qkmap"}
+        np.testing.assert_allclose(panel["none"]["mean"], [base, base + 0.2])
+        np.testing.assert_allclose(panel["qkmap"]["mean"], base + np.array([0.05, -0.05]) * (1 if w > 64 else -1))
+    assert set(figures.colours(data)) == {"none", "qkmap"}  # one colour per method, not per method and width
+    drawn = []
+    monkeypatch.setattr(figures._plt(), "close", drawn.append)
+    names = list(figures.draw(data, tmp_path / "out"))
+    titles = [ax.get_title() for ax in drawn[names.index("lr_sensitivity")].axes if ax.get_visible()]
+    assert titles == [f"learning-rate sensitivity: MHA\n[shape={w}] (x: a seed diverged)" for w in (64, 128, 256)]

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from qklab.study.analyze import natural_key
 from qklab.study.result import num
 
 
@@ -36,15 +37,17 @@ def _band(curves: list[dict[str, list]], key: str) -> dict[str, list[float]]:
 
 
 def figure_data(analysis: dict[str, Any]) -> dict[str, Any]:
-    """Series per figure, keyed by panel then variant name. A panel is an attention type ('mha', 'mla');
-    in a report of several studies it is a study and attention type ('qkmap_cpu: mha'), since studies
-    differ in optimizer, schedule and length and their curves do not share axes."""
+    """Series per figure, keyed by panel then variant. A panel is an attention type ('mha', 'mla'); in a
+    report of several studies it is a study and attention type ('qkmap_cpu: mha'), since studies differ in
+    optimizer, schedule and length and their curves do not share axes; and a grid point (a width of a
+    ladder) is a panel of its own ('mha [d_model=64]'), where its variants compete, as in the tables, each
+    named by its variant alone, so that a method keeps one colour at every point."""
     data: dict[str, Any] = {"val_curves": {}, "train_curves": {}, "lr_sensitivity": {}, "logit_by_rate": {},
                             "max_logit": {},
                             "logit_change": {}, "first_token": {}, "probes": {}, "head_max_logit": {},
                             "head_w_norms": {}, "quack_factors": {}}
     for g in analysis["groups"]:
-        att, label = _panel(g), variant_name(g)
+        att, label = _panel(g), g["variant"]
         data["val_curves"].setdefault(att, {})[label] = _band([c["val"] for c in g["curves"]], "val_loss")
         data["train_curves"].setdefault(att, {})[label] = _band([c["train"] for c in g["curves"]], "loss")
         data["max_logit"].setdefault(att, {})[label] = _band([c["max_logit"] for c in g["curves"]], "max_logit")
@@ -97,14 +100,18 @@ def variant_name(g: dict[str, Any]) -> str:
 
 
 def _panel(g: dict[str, Any]) -> str:
-    """A group's figure panel: its attention type, prefixed by its study in a multi-study report."""
-    return f"{g['study']}: {g['attention']}" if g.get("multi") else g["attention"]
+    """A group's figure panel: its attention type, prefixed by its study in a multi-study report and
+    followed by its grid point, if any."""
+    key = f"{g['study']}: {g['attention']}" if g.get("multi") else g["attention"]
+    return f"{key} [{g['point']}]" if g["point"] else key
 
 
 def _panel_title(key: str) -> str:
-    """'mha' -> 'MHA', 'qkmap_cpu: mha' -> 'qkmap_cpu: MHA'."""
+    """'mha' -> 'MHA', 'qkmap_cpu: mha' -> 'qkmap_cpu: MHA', 'mha [d_model=64]' -> 'MHA' and, on a line of
+    its own, '[d_model=64]'."""
+    key, bracket, point = key.partition(" [")
     study, _, att = key.rpartition(": ")
-    return f"{study}: {att.upper()}" if study else att.upper()
+    return (f"{study}: {att.upper()}" if study else att.upper()) + ("\n[" + point if bracket else "")
 
 
 def _probe_series(probes: list[dict]) -> dict[str, Any]:
@@ -152,7 +159,7 @@ PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e
 
 
 def colours(data: dict[str, Any]) -> dict[str, str]:
-    """Legend name (variant_name) -> colour, for every name in any panel of any figure of ``data``."""
+    """Legend name (a variant) -> colour, for every name in any panel of any figure of ``data``."""
     names = sorted({label for fig in data.values() if isinstance(fig, dict)
                     for panel in fig.values() if isinstance(panel, dict) for label in panel})
     return {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(names)}
@@ -168,12 +175,12 @@ def _plt():
 
 
 def _figure(series: dict[str, dict], path: Path, panel, colour: dict[str, str], sharey: bool = False) -> Path | None:
-    """One panel per key of ``series`` (attention type, or study and attention type), two to a row, each
-    drawn by ``panel(ax, key, its series, colour)``."""
+    """One panel per key of ``series`` (attention type, or study and attention type, and grid point), two
+    to a row, each drawn by ``panel(ax, key, its series, colour)``."""
     if not any(series.values()):
         return None
     plt = _plt()
-    keys = sorted(series)
+    keys = sorted(series, key=natural_key)  # d_model=64 before d_model=128
     cols = min(2, len(keys))
     rows = math.ceil(len(keys) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), squeeze=False, sharey=sharey)
@@ -181,6 +188,8 @@ def _figure(series: dict[str, dict], path: Path, panel, colour: dict[str, str], 
         ax.set_visible(False)
     for ax, key in zip(axes.flat, keys, strict=False):
         panel(ax, key, series[key], colour)
+        if "\n" in ax.get_title():  # a grid point's long label on a second line
+            ax.title.set_fontsize(9)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)

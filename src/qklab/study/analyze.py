@@ -133,7 +133,7 @@ def _point_label(point: dict[str, Any]) -> str:
     return ",".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in items)
 
 
-def _natural(s: str) -> list:
+def natural_key(s: str) -> list:
     """Sort key that orders the numbers in a label by value (d_model=64 before d_model=128)."""
     return [(0, float(t), "") if t[:1].isdigit() else (1, 0.0, t) for t in re.split(r"(\d+(?:\.\d+)?)", s) if t]
 
@@ -207,7 +207,7 @@ def analyze(results: list[dict], studies: dict[str, dict], delta: float = DELTA)
         if rg is not None and rg is not g and g["chosen"] is not None and rg["chosen"] is not None:
             for metric in ("report_loss", "train_loss", "max_logit", "first_token"):
                 g["paired"][metric] = paired_difference(g["at_chosen"][metric], rg["at_chosen"][metric])
-    ordered = sorted(groups.values(), key=lambda g: (g["study"], _natural(g["point"]), g["attention"], g["order"]))
+    ordered = sorted(groups.values(), key=lambda g: (g["study"], natural_key(g["point"]), g["attention"], g["order"]))
     stability(ordered, delta)
     return {"groups": ordered, "studies": studies, "n_results": len(results)}
 
