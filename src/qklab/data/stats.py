@@ -13,13 +13,8 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
     This is the loss of a model that ignores context and predicts the corpus-wide
     token frequencies; a language model should beat it.
     """
-    tokens = np.asarray(tokens)
-    if tokens.size == 0:
-        raise DataError("unigram_entropy: the token array is empty")
-    counts = np.bincount(tokens.ravel(), minlength=vocab_size)  # (>= vocab_size,)
-    if counts.size > vocab_size:
-        raise DataError(f"unigram_entropy: token id {counts.size - 1} is outside vocab_size={vocab_size}")
-    p = counts[counts > 0] / tokens.size
+    counts = _counts(tokens, vocab_size, "unigram_entropy", 1)  # (V,)
+    p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
 
 
@@ -46,16 +41,24 @@ def unigram_cross_entropy(train: np.ndarray, heldout: np.ndarray, vocab_size: in
     return float(-np.log(p[np.asarray(heldout, dtype=np.int64)]).mean())
 
 
-def _bigram_counts(train: np.ndarray, heldout: np.ndarray, vocab_size: int) -> tuple[np.ndarray, ...]:
-    """For each next token b of heldout (N,) after a: c(a, b) and c(a) in train (M,) and p(b) as
-    `unigram_cross_entropy`, each (N-1,). Counts are kept sparse (the distinct pairs of train), so a large
-    vocabulary costs no V x V table."""
+def _bigram_table(train: np.ndarray, vocab_size: int) -> tuple[np.ndarray, ...]:
+    """train's (M,) bigram counts, kept sparse (its distinct pairs, so a large vocabulary costs no V x V
+    table): the sorted pair codes a*V+b (P,), their counts (P,), c(a) as a context (V,) and p(b) as
+    `unigram_cross_entropy` (V,)."""
     v = vocab_size
     p = _unigram_probs(train, v, "bigram_cross_entropy", 2)
-    _counts(heldout, v, "bigram_cross_entropy")
     t = np.asarray(train, dtype=np.int64)
-    pairs, n = np.unique(t[:-1] * v + t[1:], return_counts=True)  # sorted codes a*V+b of train, (P,)
-    ctx = np.bincount(t[:-1], minlength=v).astype(np.float64)  # c(a): a as a context, (V,)
+    pairs, n = np.unique(t[:-1] * v + t[1:], return_counts=True)
+    ctx = np.bincount(t[:-1], minlength=v).astype(np.float64)
+    return pairs, n, ctx, p
+
+
+def _bigram_counts(table: tuple[np.ndarray, ...], heldout: np.ndarray, vocab_size: int) -> tuple[np.ndarray, ...]:
+    """For each next token b of heldout (N,) after a: c(a, b) and c(a) in the train table and p(b), each
+    (N-1,)."""
+    v = vocab_size
+    pairs, n, ctx, p = table
+    _counts(heldout, v, "bigram_cross_entropy")
     h = np.asarray(heldout, dtype=np.int64)
     a, b = h[:-1], h[1:]  # (N-1,)
     code = a * v + b
@@ -76,7 +79,7 @@ def bigram_cross_entropy(train: np.ndarray, heldout: np.ndarray, vocab_size: int
     bigram counts smoothed toward its unigram frequencies p (as `unigram_cross_entropy`):
     p(b | a) = (c(a, b) + s p(b)) / (c(a) + s), with s = strength x V. The loss of a count model that
     sees one token of context: a language model trained on train should come in under it."""
-    return _bigram_nll(_bigram_counts(train, heldout, vocab_size), vocab_size, strength)
+    return _bigram_nll(_bigram_counts(_bigram_table(train, vocab_size), heldout, vocab_size), vocab_size, strength)
 
 
 def count_baselines(train: np.ndarray, select: np.ndarray, report: np.ndarray, vocab_size: int,
@@ -84,11 +87,12 @@ def count_baselines(train: np.ndarray, select: np.ndarray, report: np.ndarray, v
     """The loss a language model should beat on a corpus, as a study reads it: the unigram and bigram count
     models of train, the bigram's smoothing strength chosen on the selection split and both read on the
     report split; and the entropy of the selection split's own token frequencies, a study's divergence line."""
-    on_select = _bigram_counts(train, select, vocab_size)  # counted once, read at every strength
+    table = _bigram_table(train, vocab_size)  # counted once, read on both splits
+    on_select = _bigram_counts(table, select, vocab_size)  # looked up once, read at every strength
     by_s = {s: _bigram_nll(on_select, vocab_size, s) for s in strengths}
     best = min(by_s, key=by_s.get)
     return {"unigram_entropy_select": unigram_entropy(select, vocab_size),
             "unigram_select": unigram_cross_entropy(train, select, vocab_size),
             "unigram_report": unigram_cross_entropy(train, report, vocab_size),
             "bigram_strength": best, "bigram_select": by_s[best],
-            "bigram_report": bigram_cross_entropy(train, report, vocab_size, best)}
+            "bigram_report": _bigram_nll(_bigram_counts(table, report, vocab_size), vocab_size, best)}

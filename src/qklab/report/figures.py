@@ -188,7 +188,7 @@ def _figure(series: dict[str, dict], path: Path, panel, colour: dict[str, str], 
         ax.set_visible(False)
     for ax, key in zip(axes.flat, keys, strict=False):
         panel(ax, key, series[key], colour)
-        if "\n" in ax.get_title():  # a grid point's long label on a second line
+        if " [" in key:  # a grid point's long label, on a second line of the title (_panel_title)
             ax.title.set_fontsize(9)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
