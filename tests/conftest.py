@@ -20,6 +20,13 @@ def _fp32_deterministic():
     torch.set_flush_denormal(False)  # a Trainer on CPU sets it for the process; each test starts without
 
 
+def another_cpu_capability() -> str:
+    """A CPU capability that is not this machine's, for tests that need "a run trained on another kind of
+    machine": never a fixed name, which is some machine's own (AVX2 on an AVX2 machine)."""
+    here = torch.backends.cpu.get_cpu_capability()
+    return next(c for c in ("AVX2", "AVX512", "DEFAULT") if c != here)
+
+
 def tiny_gpt(method: str = "none", n_kv_heads: int = 0, impl: str = "auto", **kw) -> GPT:
     cfg = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads,
                       max_seq_len=64, attn_impl=impl, **kw)

@@ -17,6 +17,7 @@ from qklab.config import load_config
 from qklab.rundir.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from qklab.rundir.metrics import read_metrics
 from qklab.train.trainer import Trainer
+from tests.conftest import another_cpu_capability
 
 GOLDEN = Path(__file__).parents[1] / "golden" / "tiny_none_losses.json"
 
@@ -93,7 +94,7 @@ def test_config_records_the_machines_a_run_trained_on(tmp_path):
             "threads": torch.get_num_threads()}
     assert info["machines"] == [{"from_step": 0, **here}]
     del t
-    other = {"from_step": 0, **here, "cpu_capability": "AVX2"}
+    other = {"from_step": 0, **here, "cpu_capability": another_cpu_capability()}
     info["machines"] = [other]  # as if the first 10 steps ran elsewhere
     (tmp_path / "runs" / "m" / "config.json").write_text(json.dumps(info))
     resumed = Trainer(_cfg(tmp_path, "m"), resume=True, log=lambda s: None)
