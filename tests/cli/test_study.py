@@ -23,6 +23,28 @@ def test_errors_are_one_line_and_nothing_trains(tmp_path, capsys):
     _one_line_error(capsys, ["sweep", "--out", str(tmp_path / "s"), "--variant", "a:", "--seeds", "x"], "--seeds 'x'")
 
 
+def test_a_file_where_a_folder_belongs_is_one_line(tmp_path, capsys):
+    """--results or --out naming a file (or a path under one): one line, exit 2, before any cell is looked at."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for argv, err in [(["study", "status", "demo", "--results", str(afile)],
+                       f"qklab: error: --results {afile} is a file, not a folder; give the folder that holds (or will "
+                       "hold) the study's <cell>/result.json files"),
+                      (["study", "run", "demo", "--results", str(afile / "sub")],
+                       f"qklab: error: --results {afile / 'sub'}: {afile} is a file, not a folder; give the folder "
+                       "that holds (or will hold) the study's <cell>/result.json files"),
+                      (["study", "status", "demo", "--out", str(afile)],
+                       f"qklab: error: --out {afile} is a file, not a folder; give the folder that holds (or will "
+                       "hold) the study's runs"),
+                      (["study", "verify", str(afile)],
+                       f"qklab: error: {afile}: is a file, not a results folder; give a folder holding "
+                       "<cell>/result.json files")]:
+        assert main(argv) == 2
+        cap = capsys.readouterr()
+        assert cap.err.strip() == err and cap.out == ""
+    assert afile.read_text() == "x"
+
+
 def test_status_lists_done_and_todo(tmp_path, capsys):
     f = tmp_path / "st.toml"
     f.write_text('[study]\nconfig = "tiny"\nseeds = [0, 1]\n[variants.a]\n"qk.method" = "none"\n')

@@ -30,6 +30,17 @@ def warn(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def folder(path: str | Path, option: str) -> Path:
+    """``path`` as a folder a study writes or reads; one line (exit 2) when a file stands there."""
+    p = Path(path)
+    for above in (p, *p.parents):
+        if above.exists() and not above.is_dir():
+            where = f"{option} {path} is" if above == p else f"{option} {path}: {above} is"
+            raise ConfigError(f"{where} a file, not a folder; give the folder that holds (or will hold) the study's "
+                              + ("runs" if option == "--out" else "<cell>/result.json files"))
+    return p
+
+
 def workers_for(study: Study, n: int | None) -> int:
     """--workers N, else the study's ``[study] workers``."""
     w = n if n is not None else study.workers
@@ -172,8 +183,8 @@ def study_command(args: argparse.Namespace) -> int:
     if args.action == "verify":
         return _verify(args)
     study = load_study(resolve_study(args.file), note=warn)
-    out = Path(args.out or Path("runs") / "studies" / study.name)
-    results = Path(args.results) if args.results else out / "results"
+    out = folder(args.out or Path("runs") / "studies" / study.name, "--out")
+    results = folder(args.results, "--results") if args.results else folder(out / "results", "--out")
     if args.action == "status":
         return _status(study, results)
     if args.action == "amend":

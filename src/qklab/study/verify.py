@@ -188,7 +188,8 @@ def verify_results(results: Path, cells: int = 1, seed: int | None = None, out: 
     if type(cells) is not int or cells < 1:
         raise ConfigError(f"--cells {cells}: verify 1 or more cells")
     if not results.is_dir():
-        raise ConfigError(f"no results folder {results}; give a folder holding <cell>/result.json files")
+        what = "is a file, not a results folder" if results.exists() else "no such results folder"
+        raise ConfigError(f"{results}: {what}; give a folder holding <cell>/result.json files")
     done = []
     for f in sorted(results.glob("*/result.json")):
         res, problem = load_result(f)
