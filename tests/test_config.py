@@ -185,3 +185,59 @@ def test_neutral_and_resumable_keys_come_from_the_fields():
         "train.device", "train.compile", "train.diag_every", "train.diag_batch", "train.nonfinite",
         "train.skip_limit", "train.lr", "train.grad_clip", "data.cache_dir", "train.trackers", "train.parallel",
         "train.ckpt_format"}
+
+
+MLA_NARROW = ["model.attention=mla", "qk.method=qkmap", "qk.qkmap.proj_dim=4"]
+MLA_WIDTH_ERROR = ("qk.method='qkmap' with these options changes the q/k projection widths (per head 24 -> 4), which "
+                   "model.attention=mla does not support; use model.attention=mha or options that keep the per-head "
+                   "q/k width 24")
+
+
+def test_every_width_rule_is_checked_in_validation(tmp_path, capsys):
+    """MLA with a method that changes the q/k widths is refused by the config and by a study file, before any
+    cell exists (it used to pass both and fail inside the worker, recorded as a failed cell)."""
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", MLA_NARROW)
+    assert str(e.value) == MLA_WIDTH_ERROR
+    assert load_config("tiny", [*MLA_NARROW[:2], "qk.qkmap.proj_dim=24"]).qk.method == "qkmap"  # MLA's own width
+    study = tmp_path / "s.toml"
+    study.write_text('[study]\nconfig = "tiny"\nseeds = [0]\n[variants.a]\n"model.attention" = "mla"\n'
+                     '"qk.method" = "qkmap"\n"qk.qkmap.proj_dim" = 4\n')
+    assert main(["study", "run", str(study), "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip() == f"qklab: error: variant 'a', lr x1: {MLA_WIDTH_ERROR}"
+    assert not (tmp_path / "o").exists()
+
+
+def test_python_constructors_raise_the_cli_errors():
+    """GPT and QKConfig built from Python give the same one-line ConfigError as a config file: an unknown
+    method, options as a dict (converted and checked as TOML's are), an impossible shape."""
+    from qklab.config import ModelConfig, QKConfig
+    from qklab.errors import UserError
+    from qklab.model import GPT
+
+    small = {"vocab_size": 50, "d_model": 64, "n_heads": 4, "n_layers": 1}
+    cases = [
+        (lambda: QKConfig(method="qk_norm"),
+         f"qk.method='qk_norm' is unknown; choose one of {', '.join(sorted(METHODS))}"),
+        (lambda: QKConfig(controller="quack2"), "qk.controller='quack2' is unknown; choose one of"),
+        (lambda: QKConfig(method="softcap", options={"softcap": {"cop": 20.0}}),
+         "unknown key 'qk.softcap.cop'; known keys here: cap"),
+        (lambda: QKConfig(method="softcap", options={"softcap": {"cap": "x"}}), "'qk.softcap.cap' must be float"),
+        (lambda: QKConfig(options={"bogus": {}}), "qk options for 'bogus', which is no method or controller"),
+        (lambda: GPT(ModelConfig(**{**small, "n_heads": 3})),
+         "model.n_heads=3 does not divide model.d_model=64; pick heads that divide the width"),
+        (lambda: GPT(ModelConfig(**{**small, "attention": "mla"}),
+                     QKConfig(method="qkmap", options={"qkmap": {"proj_dim": 4}})),
+         "changes the q/k projection widths (per head 24 -> 4)"),
+        (lambda: GPT(ModelConfig(**{**small, "attn_impl": "sdpa"}), QKConfig(method="softcap")),
+         "qk.method='softcap' rewrites logits, which the fused sdpa path cannot do"),
+        (lambda: GPT(ModelConfig(**{**small, "vocab_size": 0})), "model.vocab_size must be set"),
+    ]
+    for build, needle in cases:
+        with pytest.raises(ConfigError) as e:
+            build()
+        assert isinstance(e.value, UserError | ValueError) and needle in str(e.value) and "\n" not in str(e.value)
+    qk = QKConfig(method="softcap", options={"softcap": {"cap": 20}})  # a dict, as TOML gives it
+    assert qk.opts("softcap") == SoftCapOptions(cap=20.0)
+    model = GPT(ModelConfig(**small), qk)
+    assert model.blocks[0].attn.qk.opts.cap == 20.0

@@ -126,6 +126,26 @@ class QKConfig:
     # per-method options, keyed by method name: [qk.softcap] cap = 30.0 -> {"softcap": SoftCapOptions}
     options: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        """From Python as from TOML: unknown names are one ``ConfigError`` line, and options given as a dict
+        (``options={"softcap": {"cap": 30.0}}``) become the method's Options, their keys and types checked."""
+        _check(self.method in METHODS,
+               f"qk.method='{self.method}' is unknown; choose one of {', '.join(sorted(METHODS))}")
+        _check(self.controller in CONTROLLERS,
+               f"qk.controller='{self.controller}' is unknown; choose one of {', '.join(sorted(CONTROLLERS))}")
+        _check(isinstance(self.options, dict), f"qk options must be a dict keyed by method name, got "
+                                               f"{type(self.options).__name__}")
+        known = {**METHODS, **CONTROLLERS}
+        for name, opts in list(self.options.items()):
+            _check(name in known, f"qk options for '{name}', which is no method or controller; known: "
+                                  f"{', '.join(sorted(known))}")
+            if isinstance(opts, dict):
+                self.options[name] = from_dict(known[name].Options, opts, f"qk.{name}.")
+            else:
+                want = known[name].Options
+                _check(isinstance(opts, want), f"qk options for '{name}' must be a dict or {want.__name__}, got "
+                                               f"{type(opts).__name__}")
+
     def opts(self, name: str) -> Any:
         cls = {**METHODS, **CONTROLLERS}[name].Options
         return self.options.get(name) or cls()
@@ -193,38 +213,9 @@ class RunConfig:
 
     def validate(self) -> RunConfig:
         m, t, q = self.model, self.train, self.qk
-        for section in ("model", "train"):
-            _check_fields(section, getattr(self, section))
+        _check_fields("train", t)
         check_run_name(t.name, "train.name", allow_empty=True)
-        _check(m.d_model % m.n_heads == 0,
-               f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}; pick heads that divide the width")
-        _check(m.head_dim % 2 == 0, f"head dim {m.head_dim} must be even for RoPE; change model.n_heads or d_model")
-        _check(m.n_kv_heads >= 0 and m.n_heads % m.kv_heads == 0,
-               f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} (GQA groups)")
-        if m.attention == "mla":
-            _check(m.mla_dims.rope > 0 and m.mla_dims.rope % 2 == 0,
-                   f"MLA rope width {m.mla_dims.rope} must be even and > 0; set model.rope_dim")
-            _check(m.n_kv_heads == 0, "model.n_kv_heads is for attention=mha (GQA); leave it 0 with attention=mla")
-        if m.rope_scaling == "yarn":
-            _check(m.yarn_factor > 1 and m.yarn_original_max_len >= 0 and m.yarn_beta_fast > m.yarn_beta_slow > 0,
-                   "YaRN needs model.yarn_factor > 1, yarn_original_max_len >= 0, yarn_beta_fast > yarn_beta_slow > 0")
-        _check(q.method in METHODS, f"qk.method='{q.method}' is unknown; choose one of {', '.join(sorted(METHODS))}")
-        _check(q.controller in CONTROLLERS,
-               f"qk.controller='{q.controller}' is unknown; choose one of {', '.join(sorted(CONTROLLERS))}")
-        _check(not (m.attn_impl == "sdpa" and METHODS[q.method].modifies_logits),
-               f"qk.method='{q.method}' rewrites logits, which the fused sdpa path cannot do; "
-               "set model.attn_impl=auto or eager")
-        for opts in q.options.values():
-            if hasattr(opts, "validate"):
-                try:
-                    opts.validate()
-                except ValueError as e:
-                    raise ConfigError(str(e)) from None
-        try:  # the method checks its options against the attention shape (e.g. compute-matched widths)
-            method = METHODS[q.method](AttnShape.of(m), q.opts(q.method))
-            CONTROLLERS[q.controller].check_method(method, q.opts(q.controller))  # e.g. QK-clip on QK-Norm
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        check_model(m, q)
         _check(t.seq_len <= m.max_seq_len,
                f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise max_seq_len")
         trackers = typing.get_args(Tracker)
@@ -240,6 +231,46 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+
+def check_model(m: ModelConfig, q: QKConfig) -> None:
+    """The rules a model's shape and its QK method must meet together, one ``ConfigError`` line for the first
+    broken: checked when a run's config is validated and again when a ``GPT`` is built from Python, so no rule
+    is left for the model to discover."""
+    _check_fields("model", m)
+    _check(m.d_model % m.n_heads == 0,
+           f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}; pick heads that divide the width")
+    _check(m.head_dim % 2 == 0, f"head dim {m.head_dim} must be even for RoPE; change model.n_heads or d_model")
+    _check(m.n_kv_heads >= 0 and m.n_heads % m.kv_heads == 0,
+           f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} (GQA groups)")
+    if m.attention == "mla":
+        _check(m.mla_dims.rope > 0 and m.mla_dims.rope % 2 == 0,
+               f"MLA rope width {m.mla_dims.rope} must be even and > 0; set model.rope_dim")
+        _check(m.n_kv_heads == 0, "model.n_kv_heads is for attention=mha (GQA); leave it 0 with attention=mla")
+    if m.rope_scaling == "yarn":
+        _check(m.yarn_factor > 1 and m.yarn_original_max_len >= 0 and m.yarn_beta_fast > m.yarn_beta_slow > 0,
+               "YaRN needs model.yarn_factor > 1, yarn_original_max_len >= 0, yarn_beta_fast > yarn_beta_slow > 0")
+    _check(q.method in METHODS, f"qk.method='{q.method}' is unknown; choose one of {', '.join(sorted(METHODS))}")
+    _check(q.controller in CONTROLLERS,
+           f"qk.controller='{q.controller}' is unknown; choose one of {', '.join(sorted(CONTROLLERS))}")
+    _check(not (m.attn_impl == "sdpa" and METHODS[q.method].modifies_logits),
+           f"qk.method='{q.method}' rewrites logits, which the fused sdpa path cannot do; "
+           "set model.attn_impl=auto or eager")
+    for opts in q.options.values():
+        if hasattr(opts, "validate"):
+            try:
+                opts.validate()
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+    try:  # the method checks its options against the attention shape (e.g. compute-matched widths)
+        shape = AttnShape.of(m)
+        method = METHODS[q.method](shape, q.opts(q.method))
+        CONTROLLERS[q.controller].check_method(method, q.opts(q.controller))  # e.g. QK-clip on QK-Norm
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _check(m.attention != "mla" or (method.proj_dim() == shape.head_dim and method.qk_in_dim() == m.d_model),
+           f"qk.method='{q.method}' with these options changes the q/k projection widths (per head "
+           f"{shape.head_dim} -> {method.proj_dim()}), which model.attention=mla does not support; use "
+           f"model.attention=mha or options that keep the per-head q/k width {shape.head_dim}")
 
 def _check(ok: bool, msg: str) -> None:
     if not ok:

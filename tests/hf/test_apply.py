@@ -13,7 +13,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from qklab.config import ModelConfig, QKConfig  # noqa: E402
+from qklab.errors import ConfigError  # noqa: E402
 from qklab.hf import apply  # noqa: E402
+from qklab.methods import METHODS as REGISTRY  # noqa: E402
 from qklab.methods.qkmap import QKMapOptions  # noqa: E402
 from qklab.model import Attention, Rope  # noqa: E402
 from tests.hf.common import HKV, C, H, check_padded_generation, left_pad, tiny_model  # noqa: E402
@@ -183,13 +185,21 @@ def test_generate_equals_greedy_full_forwards(family, method, opts):
 
 
 def test_apply_refuses_bad_input():
+    """Every refusal is the CLI's one-line ConfigError; a controller's name says which call takes it."""
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="unknown QK method"):
+    with pytest.raises(ConfigError, match="unknown QK method 'qknrom'; choose one of none, qkmap,") as e:
         apply(model, "qknrom")
-    with pytest.raises(ValueError, match="has no option"):
+    assert "controller" not in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        apply(model, "quack")  # an optimizer-side controller (was a bare KeyError)
+    assert str(e.value) == (f"unknown QK method 'quack'; choose one of {', '.join(sorted(REGISTRY))}; 'quack' is an "
+                            "optimizer-side controller: qklab.attach(model, optimizer, 'quack')")
+    with pytest.raises(ConfigError, match="has no option"):
         apply(model, "softcap", capp=3)
-    with pytest.raises(ValueError, match="head_dim"):
+    with pytest.raises(ConfigError, match="head_dim"):
         apply(copy.deepcopy(model), "qkmap", proj_dim=3)
+    with pytest.raises(ConfigError, match="qk.qkmap: n_freqs must be >= 1"):  # the option's own check, one line
+        apply(copy.deepcopy(model), "qkmap", n_freqs=0)
 
 
 # --- DeepSeek (MLA) ---------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 import qklab  # noqa: E402
+from qklab.errors import ConfigError  # noqa: E402
 from qklab.hf.layers import LayerSpec, find_layers  # noqa: E402
 from tests.hf.common import HKV, H, tiny_model  # noqa: E402
 
@@ -207,8 +208,10 @@ def test_quack_scales_each_heads_update_by_partner_norm_ratio():
 def test_attach_refuses_bad_input():
     model = FusedGPT()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="unknown controller"):
+    with pytest.raises(ConfigError, match="unknown QK controller 'quak'; choose one of"):
         qklab.attach(model, opt, "quak")
+    with pytest.raises(ConfigError, match="'qknorm' is a forward-side method: qklab.hf.apply"):
+        qklab.attach(model, opt, "qknorm")
     with pytest.raises(ValueError, match="no attention layers found"):
         qklab.attach(model, opt, "quack")
     with pytest.raises(ValueError, match="no parameter"):

@@ -54,18 +54,27 @@ DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 _SWAPPED: dict[type, type] = {}
 
 
-def method_options(method: str, options: dict) -> object:
-    """The Options dataclass of a method or controller from keyword options, checked."""
-    if method not in {**METHODS, **CONTROLLERS}:
-        raise ValueError(f"unknown QK method '{method}'; choose one of {sorted(METHODS)}")
-    cls = {**METHODS, **CONTROLLERS}[method].Options
+def method_options(method: str, options: dict, controller: bool = False) -> object:
+    """The Options dataclass of a forward-side method (``controller``: an optimizer-side controller) from
+    keyword options, checked; a name of the other kind is one line saying which call takes it."""
+    want, other = (CONTROLLERS, METHODS) if controller else (METHODS, CONTROLLERS)
+    if method not in want:
+        hint = ((f"; '{method}' is a forward-side method: qklab.hf.apply(model, '{method}')" if controller else
+                 f"; '{method}' is an optimizer-side controller: qklab.attach(model, optimizer, '{method}')")
+                if method in other else "")
+        raise ConfigError(f"unknown QK {'controller' if controller else 'method'} '{method}'; choose one of "
+                          f"{', '.join(sorted(want))}{hint}")
+    cls = want[method].Options
     known = {f.name for f in dataclasses.fields(cls)}
     bad = sorted(set(options) - known)
     if bad:
-        raise ValueError(f"{method} has no option {', '.join(bad)}; known: {', '.join(sorted(known)) or 'none'}")
-    opts = cls(**options)
-    if hasattr(opts, "validate"):
-        opts.validate()
+        raise ConfigError(f"{method} has no option {', '.join(bad)}; known: {', '.join(sorted(known)) or 'none'}")
+    try:
+        opts = cls(**options)
+        if hasattr(opts, "validate"):
+            opts.validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return opts
 
 
@@ -74,7 +83,7 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     mods = [m for m in model.modules() if all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj"))
             and hasattr(m, "layer_idx")]
     if not mods:
-        raise ValueError(f"no Llama-style attention layers (q_proj/k_proj/v_proj/o_proj) in {type(model).__name__}")
+        raise ConfigError(f"no Llama-style attention layers (q_proj/k_proj/v_proj/o_proj) in {type(model).__name__}")
     return sorted(mods, key=lambda m: m.layer_idx)
 
 
@@ -148,7 +157,7 @@ def apply(model: nn.Module, method: str = "none", *, attn_gate: str = "none", at
     if family in DEEPSEEK:
         return _apply_deepseek(model, method, opts)
     if family not in FAMILIES:
-        raise ValueError(f"qklab.hf.apply supports model types {', '.join(FAMILIES + DEEPSEEK)}; got '{family}'")
+        raise ConfigError(f"qklab.hf.apply supports model types {', '.join(FAMILIES + DEEPSEEK)}; got '{family}'")
     mods = attention_modules(model)
     init_std = getattr(cfg, "initializer_range", 0.02)
     for mod in mods:  # refused before any layer changes
@@ -170,7 +179,7 @@ def apply(model: nn.Module, method: str = "none", *, attn_gate: str = "none", at
 def _convert(mod: nn.Module, qm: QKMethod, method: str, H: int, Hkv: int, D: int, init_std: float) -> None:
     """One Llama-style layer to the forward-side method ``qm``."""
     if qm.feature_dim() != D:
-        raise ValueError(f"{method} with these options gives q/k features of width {qm.feature_dim()}, but the "
+        raise ConfigError(f"{method} with these options gives q/k features of width {qm.feature_dim()}, but the "
                          f"model's RoPE has head_dim={D}; use options that keep the width (compute-matched)")
     qm.reset_parameters()
     p = mod.q_proj.weight
@@ -195,7 +204,7 @@ def _apply_deepseek(model: nn.Module, method: str, opts: object) -> nn.Module:
         H = cfg.num_attention_heads
         qm: QKMethod = METHODS[method](AttnShape(cfg.hidden_size, H, H, F, mod.layer_idx, len(mods)), opts)
         if qm.proj_dim() != F or qm.qk_in_dim() != cfg.hidden_size:
-            raise ValueError(f"{method} changes the q/k projection widths, which MLA (DeepSeek) does not allow")
+            raise ConfigError(f"{method} changes the q/k projection widths, which MLA (DeepSeek) does not allow")
         qm.reset_parameters()
         p = mod.kv_b_proj.weight
         mod.qk_method = qm.to(device=p.device, dtype=p.dtype)

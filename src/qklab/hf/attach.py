@@ -118,9 +118,7 @@ def attach(model: nn.Module, optimizer: torch.optim.Optimizer, controller: str,
     ``layers``: explicit LayerSpecs (any model); default: found by name in a transformers model.
     ``hooks``: run from optimizer step hooks (False: call ``before_step``/``after_step`` yourself).
     ``track``: keep per-head max logits for ``metrics()`` (always on for qkclip)."""
-    if controller not in CONTROLLERS:
-        raise ValueError(f"unknown controller '{controller}'; choose one of {sorted(CONTROLLERS)}")
-    opts = method_options(controller, options)
+    opts = method_options(controller, options, controller=True)
     if layers is not None:
         qk_layers = [spec_layer(model, s, i) for i, s in enumerate(layers)]
     else:

@@ -41,7 +41,7 @@ class HFRope:
 
     def __call__(self, x: torch.Tensor, pos: int = 0) -> torch.Tensor:
         if x.shape[-1] != self.cos.shape[-1]:
-            raise ValueError(f"q/k feature width {x.shape[-1]} differs from the model's RoPE width "
+            raise ConfigError(f"q/k feature width {x.shape[-1]} differs from the model's RoPE width "
                              f"{self.cos.shape[-1]}; choose method options that keep head_dim")
         x1, x2 = x.chunk(2, dim=-1)
         return x * self.cos.to(x.dtype) + torch.cat([-x2, x1], dim=-1) * self.sin.to(x.dtype)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from qklab.config import ModelConfig, QKConfig
+from qklab.errors import ConfigError
 from qklab.model.mla import MLAttention, rope_permutation
 
 
@@ -43,9 +44,9 @@ def mla_config(hf_cfg, **overrides) -> ModelConfig:
                   yarn_mscale=float(rp.get("mscale") or 0.0),
                   yarn_mscale_all_dim=float(rp.get("mscale_all_dim") or 0.0))
         if rp.get("attention_factor") is not None or rp.get("truncate", True) is False:
-            raise ValueError("YaRN with an explicit attention_factor or truncate=False is not supported")
+            raise ConfigError("YaRN with an explicit attention_factor or truncate=False is not supported")
     elif rtype != "default":
-        raise ValueError(f"rope_type '{rtype}' is not supported; qklab's MLA has default and yarn RoPE")
+        raise ConfigError(f"rope_type '{rtype}' is not supported; qklab's MLA has default and yarn RoPE")
     kw.update(overrides)
     return ModelConfig(**kw)
 
@@ -54,7 +55,7 @@ def _check(theirs: nn.Module) -> None:
     for name in ("q_a_proj", "kv_a_proj_with_mqa", "o_proj"):
         lin = getattr(theirs, name, None)
         if lin is not None and lin.bias is not None:
-            raise ValueError(f"DeepSeek attention with attention_bias=True ({name}.bias) has no qklab MLA equivalent")
+            raise ConfigError(f"DeepSeek attention with attention_bias=True ({name}.bias) has no qklab MLA equivalent")
 
 
 @torch.no_grad()

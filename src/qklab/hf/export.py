@@ -16,8 +16,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from qklab.atomic import follow_umask
 from qklab.config import ModelConfig, QKConfig
 from qklab.data.tokenizer import EOT_TOKEN, BPETokenizer, ByteTokenizer
+from qklab.errors import ConfigError
 from qklab.methods.qknorm import QKNormOptions
 from qklab.model import GPT
 
@@ -46,18 +48,18 @@ def hf_config(model: GPT):
 
     cfg, method = model.cfg, model.qk_cfg.method
     if cfg.attention != "mha":
-        raise ValueError("export covers MHA/GQA models; for MLA layers use qklab.hf.deepseek")
+        raise ConfigError("export covers MHA/GQA models; for MLA layers use qklab.hf.deepseek")
     if method not in FAMILY:
-        raise ValueError(f"qk.method='{method}' has no transformers equivalent; export none (Llama) or qknorm "
+        raise ConfigError(f"qk.method='{method}' has no transformers equivalent; export none (Llama) or qknorm "
                          "(Qwen3), or run the method in transformers with qklab.hf.apply")
     if cfg.attn_gate != "none" or cfg.attn_sink:
         what = f"model.attn_gate='{cfg.attn_gate}'" if cfg.attn_gate != "none" else "model.attn_sink=true"
-        raise ValueError(f"export of {what} is not supported: Llama and Qwen3 folders have no attention gate or "
+        raise ConfigError(f"export of {what} is not supported: Llama and Qwen3 folders have no attention gate or "
                          "sink; to train one in transformers, use qklab.hf.apply(model, ..., attn_gate=, attn_sink=)")
     if cfg.rope_scaling != "none":
-        raise ValueError("export of YaRN RoPE is not supported for Llama/Qwen3 folders")
+        raise ConfigError("export of YaRN RoPE is not supported for Llama/Qwen3 folders")
     if method == "qknorm" and model.qk_cfg.opts("qknorm").eps != cfg.norm_eps:
-        raise ValueError(f"Qwen3 uses one eps for every norm: qk.qknorm.eps={model.qk_cfg.opts('qknorm').eps} "
+        raise ConfigError(f"Qwen3 uses one eps for every norm: qk.qknorm.eps={model.qk_cfg.opts('qknorm').eps} "
                          f"must equal model.norm_eps={cfg.norm_eps}")
     common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ff_dim,
                   num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
@@ -98,6 +100,7 @@ def export_pretrained(model: GPT, path: str | Path, tokenizer: BPETokenizer | By
     cfg.save_pretrained(out)
     GenerationConfig(eos_token_id=eot, pad_token_id=eot).save_pretrained(out)
     save_file(hf_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    follow_umask(out / "model.safetensors")
     if tokenizer is not None:
         hf_tokenizer(tokenizer).save_pretrained(out)
     return out
@@ -138,13 +141,13 @@ def model_config(hf_cfg: dict) -> tuple[ModelConfig, QKConfig]:
     """qklab configs from a Llama/Qwen3 config.json (as a dict)."""
     kind = hf_cfg.get("model_type")
     if kind not in ("llama", "qwen3"):
-        raise ValueError(f"import covers Llama and Qwen3 folders; got model_type '{kind}'")
+        raise ConfigError(f"import covers Llama and Qwen3 folders; got model_type '{kind}'")
     rp = hf_cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf_cfg.get("rope_theta", 10000.0)}
     if rp.get("rope_type", "default") != "default":
-        raise ValueError(f"rope_type '{rp['rope_type']}' is not supported by import")
+        raise ConfigError(f"rope_type '{rp['rope_type']}' is not supported by import")
     H, C = hf_cfg["num_attention_heads"], hf_cfg["hidden_size"]
     if hf_cfg.get("head_dim", C // H) != C // H or hf_cfg.get("attention_bias") or hf_cfg.get("mlp_bias"):
-        raise ValueError("import needs head_dim = hidden_size / heads and no attention or MLP biases")
+        raise ConfigError("import needs head_dim = hidden_size / heads and no attention or MLP biases")
     eps = float(hf_cfg["rms_norm_eps"])
     mc = ModelConfig(vocab_size=hf_cfg["vocab_size"], d_model=C, n_layers=hf_cfg["num_hidden_layers"], n_heads=H,
                      n_kv_heads=hf_cfg.get("num_key_value_heads") or 0, d_ff=hf_cfg["intermediate_size"],
@@ -160,11 +163,11 @@ def import_pretrained(path: str | Path) -> tuple[GPT, BPETokenizer | None]:
     """A qklab GPT (and its BPE tokenizer, when the folder has a tokenizer.json) from a Llama/Qwen3 folder."""
     folder = Path(path)
     if not (folder / "config.json").is_file():
-        raise ValueError(f"{folder}: no config.json; give a transformers checkpoint folder")
+        raise ConfigError(f"{folder}: no config.json; give a transformers checkpoint folder")
     mc, qk = model_config(json.loads((folder / "config.json").read_text()))
     files = sorted(folder.glob("model*.safetensors"))
     if not files:
-        raise ValueError(f"{folder}: no model*.safetensors")
+        raise ConfigError(f"{folder}: no model*.safetensors")
     theirs: dict[str, torch.Tensor] = {}
     for f in files:
         theirs.update(load_file(str(f)))

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from qklab.errors import ConfigError
 from qklab.hf.attention import LayerTracker
 from qklab.methods import AttnShape, QKMethod
 from qklab.methods.base import NoOptions
@@ -71,7 +72,7 @@ _RANGE = re.compile(r"^(?P<name>[\w.]+?)(\[(?P<a>\d+):(?P<b>\d+)\])?$")
 def _parse(ref: str) -> tuple[str, slice | None]:
     m = _RANGE.match(ref.strip())
     if not m:
-        raise ValueError(f"parameter reference '{ref}' must look like 'name' or 'name[start:stop]'")
+        raise ConfigError(f"parameter reference '{ref}' must look like 'name' or 'name[start:stop]'")
     sl = slice(int(m["a"]), int(m["b"])) if m["a"] is not None else None
     return m["name"], sl
 
@@ -104,10 +105,10 @@ def spec_layer(model: nn.Module, spec: LayerSpec, index: int) -> QKLayer:
     (qn, qs), (kn, ks) = _parse(spec.q), _parse(spec.k)
     for n in (qn, kn):
         if n not in params:
-            raise ValueError(f"layer {index}: no parameter '{n}' in {type(model).__name__}")
+            raise ConfigError(f"layer {index}: no parameter '{n}' in {type(model).__name__}")
     Hkv = spec.n_kv_heads or spec.n_heads
     if spec.n_heads % Hkv:
-        raise ValueError(f"layer {index}: n_kv_heads={Hkv} must divide n_heads={spec.n_heads}")
+        raise ConfigError(f"layer {index}: n_kv_heads={Hkv} must divide n_heads={spec.n_heads}")
     wq = _head_view(params[qn], qs, spec.n_heads, spec.transposed)
     wk = _head_view(params[kn], ks, Hkv, spec.transposed)
     qmod, kmod = _owner(model, qn), _owner(model, kn)
@@ -179,6 +180,6 @@ def find_layers(model: nn.Module) -> list[QKLayer]:
         elif all(hasattr(mod, a) for a in ("q_proj", "k_proj", "layer_idx")) and isinstance(mod.q_proj, nn.Linear):
             out.append((mod.layer_idx, _llama_layer(mod, cfg)))
     if cfg is None or not out:
-        raise ValueError(f"no attention layers found by name in {type(model).__name__}; describe them with "
+        raise ConfigError(f"no attention layers found by name in {type(model).__name__}; describe them with "
                          "layers=[LayerSpec(q=..., k=..., n_heads=...), ...]")
     return [layer for _, layer in sorted(out, key=lambda t: t[0])]

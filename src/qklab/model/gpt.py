@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qklab.config import ModelConfig, QKConfig
+from qklab.config import ModelConfig, QKConfig, check_model
+from qklab.errors import ConfigError
 from qklab.model.attention import Attention, KVCache
 from qklab.model.loss import cross_entropy
 from qklab.model.mla import LatentCache, MLAttention
@@ -43,8 +44,9 @@ class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, qk: QKConfig | None = None) -> None:
         super().__init__()
         if cfg.vocab_size <= 0:
-            raise ValueError("model.vocab_size must be set (it is taken from the tokenizer when training)")
+            raise ConfigError("model.vocab_size must be set (it is taken from the tokenizer when training)")
         self.cfg, self.qk_cfg = cfg, qk or QKConfig()
+        check_model(cfg, self.qk_cfg)  # the same one-line errors as a config file's
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, self.qk_cfg, i) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)

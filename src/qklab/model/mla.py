@@ -44,7 +44,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from qklab.config import ConfigError
 from qklab.methods import METHODS, AttnShape, QKMethod
 from qklab.methods.base import positions_of
 from qklab.model.attention import (
@@ -124,11 +123,8 @@ class MLAttention(nn.Module, MaxLogitTracker):
         self.nope_dim, self.rope_dim, self.v_dim = d.nope, d.rope, d.v
         self.n_kv_heads = self.n_heads  # materialised keys are per head
         self.head_dim = d.nope + d.rope  # per-head q/k width (AttnShape.head_dim); values have v_dim
-        shape = AttnShape(cfg.d_model, cfg.n_heads, cfg.n_heads, self.head_dim, layer_idx, cfg.n_layers, d.rope)
-        self.qk: QKMethod = METHODS[qk_cfg.method](shape, qk_cfg.opts(qk_cfg.method))
-        if self.qk.proj_dim() != self.head_dim or self.qk.qk_in_dim() != cfg.d_model:
-            raise ConfigError(f"qk.method='{qk_cfg.method}' with these options changes the q/k projection widths, "
-                              "which model.attention=mla does not support; use model.attention=mha")
+        # widths the method would change are refused by config.check_model, before any layer is built
+        self.qk: QKMethod = METHODS[qk_cfg.method](AttnShape.of(cfg, layer_idx), qk_cfg.opts(qk_cfg.method))
         H, C, n, r, R = cfg.n_heads, cfg.d_model, d.nope, d.rope, d.kv_rank
         q_in = d.q_rank or C
         self.wdq = nn.Linear(C, d.q_rank, bias=False) if d.q_rank else None
