@@ -3,9 +3,13 @@ anything trains or is measured."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from qklab.cli import main
+from qklab.cli import build_parser, main
+from qklab.version import version_line
 
 SWEEP = ["sweep", "--config", "tiny", "--variant", "a:qk.method=none"]
 
@@ -52,3 +56,15 @@ def test_study_run_threads_reach_the_cells(tmp_path, capsys):
                  "--no-report"]) == 0
     cfg = json.loads((tmp_path / "o" / "cells" / "a_lr1_s0" / "config.json").read_text())
     assert cfg["train"]["threads"] == 1
+
+
+def test_version_answers_without_importing_torch():
+    """``qklab --version`` imports neither torch nor the parser's rooms (it took seconds), and says what
+    the parser's --version says."""
+    code = ("import sys\nfrom qklab.cli import main\nrc = main(['--version'])\n"
+            "print(rc, sorted(m for m in ('torch', 'numpy', 'qklab.config') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out == [version_line(), "0 []"]
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--version"])
+    assert e.value.code == 0

@@ -4,8 +4,32 @@
     study.py   qklab study run|status
     demo.py    qklab demo (the main job)
     sweep.py   qklab sweep (a study from command-line variants)
+
+``qklab --version`` answers here, before the parser's imports bring torch in.
 """
 
-from qklab.cli.main import build_parser, main
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if list(args) == ["--version"]:
+        from qklab.version import version_line
+
+        print(version_line())
+        return 0
+    from qklab.cli.main import main as run
+
+    return run(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from qklab.cli.main import build_parser as build
+
+    return build()
+
 
 __all__ = ["build_parser", "main"]

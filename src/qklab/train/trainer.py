@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -40,6 +42,8 @@ from qklab.version import git_sha
 
 # how a run may end without a bug: the user's to fix (one line), a non-finite stop, a signal
 EXPECTED = (UserError, OSError, NonFiniteError, RunInterrupted)
+
+PROGRESS_EVERY_S = 60.0  # train.progress without a terminal: one progress line at most this often
 
 
 @dataclass
@@ -198,7 +202,7 @@ class Trainer:
         on every rank: a controller may reduce."""
         return {"controller": self.controller.state_dict(),
                 "loader": self.loader.state_dict(),
-                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+                "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_rng_state(), "python": random.getstate(),
                         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
                 "spikes": self.spikes.state_dict(), "skipped": self.skipped, "config": comparable(self.cfg),
                 "world": self.dist.world}
@@ -209,7 +213,7 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         rng = state["rng"]
         torch.set_rng_state(rng["torch"])
-        np.random.set_state(rng["numpy"])
+        _set_numpy_rng_state(rng["numpy"])
         random.setstate(rng["python"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
@@ -320,8 +324,10 @@ class Trainer:
         t = self.cfg.train
         tokens_per_step = t.batch_size * self.dist.world * t.seq_len * t.grad_accum  # the global batch
         show = t.progress and self.dist.is_main
-        bar = tqdm(total=t.steps, initial=self.step, desc=self.run_dir.name, disable=not show,
+        live = show and (sys.stderr.isatty() or bool(os.environ.get("QKLAB_PROGRESS")))  # a bar only on a terminal
+        bar = tqdm(total=t.steps, initial=self.step, desc=self.run_dir.name, disable=not live,
                    dynamic_ncols=True, leave=True)
+        noted = time.monotonic()  # without a terminal: a line a minute (at a logged step) instead of the bar
         last = {}
         tps_hist: list[float] = []
         stop = StopSignals()  # SIGTERM / SIGINT: checkpoint at the next step boundary, then RunInterrupted
@@ -349,6 +355,9 @@ class Trainer:
                     tps = tokens_per_step * (self.step - s0) / (time.perf_counter() - t0)  # over train steps only
                     tps_hist.append(tps)
                     bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
+                    if show and not live and time.monotonic() - noted >= PROGRESS_EVERY_S:
+                        noted = time.monotonic()
+                        self._echo(f"step {self.step}/{t.steps}: loss {loss:.3f}, {tps:,.0f} tokens/s")
                 if at_log:
                     rec.update(loss=loss, grad_norm=gnorm, lr=self.optimizers[0].param_groups[0]["lr"],
                                tokens_per_s=tps, tokens=self.step * tokens_per_step, **self.controller.metrics())
@@ -404,3 +413,18 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def _numpy_rng_state() -> dict[str, Any]:
+    """numpy's global RNG state in plain Python values (its key a list of ints, not an array), so that
+    state.pt loads without unpickling numpy (``qklab.rundir.checkpoint.STATE_GLOBALS``)."""
+    state = np.random.get_state(legacy=False)
+    return {**state, "state": {**state["state"], "key": state["state"]["key"].tolist()}}
+
+
+def _set_numpy_rng_state(saved: dict[str, Any] | tuple) -> None:
+    """Restore numpy's global RNG from ``_numpy_rng_state``, or from the ``np.random.get_state()`` tuple
+    that checkpoints written before it hold."""
+    if isinstance(saved, dict):
+        saved = {**saved, "state": {**saved["state"], "key": np.asarray(saved["state"]["key"], dtype=np.uint32)}}
+    np.random.set_state(saved)
