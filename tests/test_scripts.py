@@ -354,3 +354,16 @@ def test_count_baselines_reads_the_splits_a_study_reads(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and len(p.stderr.splitlines()) == 1
     assert p.stderr.startswith("error: unknown key 'data.bogus'")
+
+
+def test_make_test_installs_no_system_package():
+    """`make test` sets up the venv and runs pytest; the browser (apt, system-wide) only on `make browser`,
+    which CI runs. Read from make's own dry run with the venv taken as built."""
+    def dry(target: str) -> str:
+        return subprocess.run(["make", "-n", "-o", ".venv/.installed-core", "-o", ".venv/.installed-dev", target],
+                              cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+    assert "install_browser" not in dry("test") and "apt-get" not in dry("test") and "pytest tests" in dry("test")
+    assert "scripts/install_browser.sh" in dry("browser")
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert ci.index("make browser") < ci.index("make test")

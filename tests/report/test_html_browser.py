@@ -65,7 +65,7 @@ def check(page: Path) -> dict:
     return got
 
 
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium: run scripts/install_browser.sh")
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium: `make browser` installs it (apt)")
 def test_report_html_in_a_browser(tmp_path):
     out = write_report([_write(tmp_path)], out=tmp_path / "rep")
     got = check(out / "report.html")
@@ -76,7 +76,7 @@ def test_report_html_in_a_browser(tmp_path):
     assert "Answers" in got["text"] and "underpowered" in got["text"]
 
 
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium: run scripts/install_browser.sh")
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium: `make browser` installs it (apt)")
 def test_the_check_finds_literal_markdown(tmp_path):
     """The check can fail: Markdown left in the text, or an image that does not load."""
     import matplotlib.pyplot as plt
