@@ -24,6 +24,25 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def umask() -> int:
+    """This process's file-mode creation mask (read without changing it where Linux reports it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and put back at once
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: Path) -> None:
+    """Give a file that a library wrote private (safetensors writes 0600) the mode every other file of
+    ours gets: 0666 less the umask."""
+    os.chmod(path, 0o666 & ~umask())
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 

@@ -23,7 +23,7 @@ RUN_FILES = {LOCK, "config.json", "metrics.jsonl", "train.log", "ckpt", "probes.
 class RunLock:
     def __init__(self, run_dir: Path) -> None:
         self.path, self._fd = run_dir / LOCK, None
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # less the umask, as open() gives
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

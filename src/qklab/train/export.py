@@ -12,7 +12,7 @@ from pathlib import Path
 
 from safetensors.torch import save_model
 
-from qklab.atomic import atomic_write_text
+from qklab.atomic import atomic_write_text, follow_umask
 
 
 def export_run(path: str | Path, out: str | Path, unverified: bool = False, warn=None) -> tuple[Path, int]:
@@ -30,6 +30,7 @@ def export_run(path: str | Path, out: str | Path, unverified: bool = False, warn
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / ".model.safetensors.tmp"
     save_model(model, str(tmp))
+    follow_umask(tmp)
     tmp.replace(out / "model.safetensors")
     cfg_file = target.run_dir / "config.json" if target.run_dir is not None else None
     text = cfg_file.read_text() if cfg_file is not None and cfg_file.is_file() else \
