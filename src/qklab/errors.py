@@ -7,6 +7,7 @@
         DataError         the data settings or the data itself (data/)
             CorpusMissing a corpus this machine has not installed (``make corpus``)
         CheckpointError   a checkpoint that cannot be used: damaged, incomplete, not this model's (rundir/)
+            UnsafeCheckpoint  one whose pickles need code qklab does not load (rundir/, parallel/dcp_read.py)
         RunFolderError    a path that is no run folder or checkpoint, or a run that does not load (rundir/)
         RunLockError      another process is writing this run folder (rundir/)
 
@@ -44,6 +45,17 @@ class CorpusMissing(DataError):
 
 class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be used (damaged, incomplete, or not matching the model)."""
+
+
+class UnsafeCheckpoint(CheckpointError):
+    """A checkpoint file whose pickle names globals (functions, classes) qklab does not unpickle: refused
+    before any of it is built, and never taken for damage (nothing older is tried in its place)."""
+
+    @classmethod
+    def needing(cls, ckpt: object, file: str, names: list[str]) -> UnsafeCheckpoint:
+        """The refusal of the checkpoint ``ckpt`` (a folder) whose ``file`` names the globals ``names``."""
+        return cls(f"checkpoint {ckpt}: {file} needs {', '.join(names)}, which qklab does not load "
+                   "(a checkpoint from elsewhere?); refused, nothing of it was run")
 
 
 class RunFolderError(UserError):

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from qklab.config import ConfigError
 from qklab.model import GPT
-from qklab.rundir.checkpoint import latest_checkpoint, load_weights, verify_checkpoint
+from qklab.rundir.checkpoint import latest_checkpoint, load_weights, read_state, verify_checkpoint
 from tests.parallel.common import CopyRun, TrainJob, assert_close_curves, losses, single, spawn
 
 # a constant schedule: the lr does not depend on train.steps, so a 3-step run continued to 6 is one run
@@ -73,7 +73,7 @@ def test_fsdp_checkpoint_is_consolidated_and_verified(runs):
     assert a.keys() == b.keys()  # the same file a single process writes (tied head stored once)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=2e-3)
-    state = torch.load(ck / "state.pt", weights_only=False)
+    state = read_state(ck)
     assert state["world"] == 2
     muon = state["optimizers"][0]["state"]
     assert muon and all(isinstance(k, str) for k in muon)  # keyed by parameter name, whole tensors
@@ -96,7 +96,7 @@ def test_fsdp_checkpoint_is_sharded_by_default(runs):
     assert sorted(p.name for p in (ck / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     listed = json.loads((ck / "manifest.json").read_text())["files"]
     assert sorted(listed) == ["dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "state.pt"]
-    state = torch.load(ck / "state.pt", weights_only=False)
+    state = read_state(ck)
     assert state["world"] == 2 and state["optimizers"] is None
     ref = GPT(*_model_cfg(runs, "fone"))  # one process, step 3, same config
     load_weights(latest_checkpoint(runs / "runs" / "fone-ddp" / "ckpt"), ref)

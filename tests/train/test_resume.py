@@ -10,11 +10,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from torch.serialization import get_unsafe_globals_in_checkpoint
 
 from qklab.config import load_config
-from qklab.rundir.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from qklab.rundir.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint, write_manifest
 from qklab.rundir.metrics import read_metrics
 from qklab.train.trainer import Trainer
 from tests.conftest import another_cpu_capability
@@ -32,19 +34,20 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
 
 
-@pytest.mark.parametrize("optimizer, controller", [("adamw", "none"), ("muon", "none"), ("muon", "quack"),
-                                                   ("adamw", "qkclip")])
-def test_resume_is_bitwise_exact(tmp_path, optimizer, controller):
-    opt = [f"train.optimizer={optimizer}", f"qk.controller={controller}", "qk.qkclip.tau_clip=2.0"]
+def _assert_resumes_bitwise(tmp_path: Path, opt: list[str], between=None) -> None:
+    """A run stopped after its step-10 checkpoint (``between`` may rewrite that checkpoint) and resumed
+    ends as the uninterrupted run: every loss and weight equal, bit for bit."""
     full = Trainer(_cfg(tmp_path, "full", *opt), log=lambda s: None)
     full.run()
 
     part = Trainer(_cfg(tmp_path, "part", *opt), log=lambda s: None)
     for _ in range(10):
         part.train_step()
-    part.save()
+    ck = part.save()
     part.close()
     del part  # "crash" after the step-10 checkpoint (a dead process holds no lock)
+    if between is not None:
+        between(ck)
     resumed = Trainer(_cfg(tmp_path, "part", *opt), resume=True, log=lambda s: None)
     assert resumed.step == 10
     resumed.run()
@@ -53,6 +56,40 @@ def test_resume_is_bitwise_exact(tmp_path, optimizer, controller):
     assert [a[s] for s in range(11, 21)] == [b[s] for s in range(11, 21)]  # bitwise: == on floats
     for (n, p), q in zip(full.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
         assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("optimizer, controller", [("adamw", "none"), ("muon", "none"), ("muon", "quack"),
+                                                   ("adamw", "qkclip")])
+def test_resume_is_bitwise_exact(tmp_path, optimizer, controller):
+    _assert_resumes_bitwise(tmp_path, [f"train.optimizer={optimizer}", f"qk.controller={controller}",
+                                       "qk.qkclip.tau_clip=2.0"])
+
+
+def _numpy_rng_as_array(ck: Path) -> None:
+    """Rewrite ``ck``'s state.pt as qklab wrote it before numpy's RNG state was plain ints: the tuple of
+    ``np.random.get_state()``, an array for its key (its manifest rewritten to match)."""
+    state = read_state(ck)
+    rng = state["rng"]["numpy"]
+    key = np.asarray(rng["state"]["key"], dtype=np.uint32)
+    state["rng"]["numpy"] = (rng["bit_generator"], key, rng["state"]["pos"], rng["has_gauss"], rng["gauss"])
+    torch.save(state, ck / "state.pt")
+    write_manifest(ck, state["step"])
+    assert sorted(get_unsafe_globals_in_checkpoint(ck / "state.pt")) == [  # what weights-only loading refuses
+        "numpy._core.multiarray._reconstruct", "numpy.dtype", "numpy.ndarray"]  # but STATE_GLOBALS allows
+    again = read_state(ck)["rng"]["numpy"]
+    assert again[0] == "MT19937" and again[1].dtype == np.uint32 and np.array_equal(again[1], key)
+
+
+@pytest.mark.parametrize("opt", [["train.optimizer=adamw"], ["train.optimizer=muon"],
+                                 ["train.optimizer=muon", "train.muon_per_head=qk"],
+                                 ["train.optimizer=adamw", "qk.controller=quack"],
+                                 ["train.optimizer=muon", "qk.controller=qkclip", "qk.qkclip.tau_clip=2.0"],
+                                 ["train.optimizer=muon", "train.ckpt_format=sharded"]],
+                         ids=["adamw", "muon", "muon-per-head", "adamw-quack", "muon-qkclip", "muon-sharded"])
+def test_a_checkpoint_with_numpy_rng_as_an_array_resumes_bitwise_exact(tmp_path, opt):
+    """Checkpoints written before numpy's RNG state was stored as plain ints still load (through
+    ``STATE_GLOBALS``) and resume bit for bit, whatever optimizer, controller and format wrote them."""
+    _assert_resumes_bitwise(tmp_path, opt, between=_numpy_rng_as_array)
 
 
 def test_losses_match_golden(tmp_path):

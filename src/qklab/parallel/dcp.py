@@ -10,6 +10,9 @@ otherwise) and reads them from whichever files hold the pieces, so a checkpoint 
 resumes on M, in one process without a process group, and loads into a plain model for ``qklab probe``
 and ``qklab export``. Optimizer states are stored flat, keyed by parameter name
 (``optim<i>.state.<name>.<key>``), so they do not depend on how parameters were numbered.
+
+Loading runs nothing the files name: DCP's pickles (its index, an optimizer's settings) are read through
+``qklab.parallel.dcp_read``, which refuses any that needs more than plain values (``UnsafeCheckpoint``).
 """
 
 from __future__ import annotations
@@ -64,12 +67,13 @@ def save_sharded(folder: Path, model: nn.Module, optimizers: list[torch.optim.Op
 def load_sharded(folder: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
     """Load a sharded checkpoint into ``model`` and ``optimizers``, whatever the number of processes that
     wrote it (a collective when a process group is running)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    from qklab.parallel.dcp_read import load
 
     sd = _state(model, optimizers)
     with _io() as single:
-        dcp.load(sd, checkpoint_id=str(folder), no_dist=single)
+        load(sd, folder, single)
     set_model_state_dict(model, sd["model"], options=_options())
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(model, opt, sd[f"optim{i}"], options=_options())
@@ -78,10 +82,11 @@ def load_sharded(folder: Path, model: nn.Module, optimizers: list[torch.optim.Op
 def load_sharded_weights(folder: Path, model: nn.Module) -> None:
     """The model's weights alone, read whole from a sharded checkpoint (``qklab probe``, ``qklab export``);
     strict: every tensor of the model must be in the checkpoint, with its shape."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from qklab.parallel.dcp_read import load
 
     sd = {"model": get_model_state_dict(model)}
     with _io() as single:
-        dcp.load(sd, checkpoint_id=str(folder), no_dist=single)
+        load(sd, folder, single)
     set_model_state_dict(model, sd["model"])

@@ -14,6 +14,11 @@ Loading checks the manifest first: a truncated, altered or missing file makes th
 and ``latest_checkpoint`` / ``newest_usable`` fall back to the newest good one and say which was skipped.
 Checkpoints written before manifests existed (no ``manifest.json``) are accepted unverified where the caller
 allows it (``unverified=True``: resuming a run); the readers (probe, export) refuse them unless asked.
+
+Nothing in a checkpoint runs code when it is loaded: ``state.pt`` is read by torch's weights-only unpickler,
+which builds tensors and plain Python values and, beyond them, only what ``STATE_GLOBALS`` names. A file that
+needs anything else (``os.system``, ``builtins.exec``: a checkpoint from elsewhere) is refused by name
+(``UnsafeCheckpoint``), never skipped for an older one; ``qklab.parallel.dcp_read`` reads DCP shards alike.
 """
 
 from __future__ import annotations
@@ -21,27 +26,36 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from numpy._core.multiarray import _reconstruct
 from safetensors.torch import load_model, save_model
 from torch import nn
 
 from qklab.atomic import atomic_write_text, fsync_dir, fsync_file, pid_alive
-from qklab.errors import CheckpointError
+from qklab.errors import CheckpointError, UnsafeCheckpoint
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
 FILES = ("model.safetensors", "state.pt")  # a consolidated checkpoint's data files
 WEIGHTS, STATE, SHARDS = FILES[0], FILES[1], "dcp/.metadata"  # SHARDS: a sharded checkpoint's index
 
-__all__ = ["CheckpointError", "atomic_write_text", "save_checkpoint", "latest_checkpoint", "newest_usable",
-           "load_checkpoint", "read_state", "load_weights", "verify_checkpoint", "complete_checkpoints",
-           "remove_stale_temps", "new_staging_dir", "is_sharded"]
+# What state.pt may need besides tensors and plain Python values (which torch's weights-only unpickler builds
+# by itself): a numpy uint32 array, the key of numpy's RNG state as ``np.random.get_state()`` gives it, which
+# checkpoints written before that state was stored as plain ints hold. No other global is ever unpickled.
+STATE_GLOBALS = (np.ndarray, np.dtype, np.dtypes.UInt32DType, _reconstruct)
+
+__all__ = ["CheckpointError", "UnsafeCheckpoint", "STATE_GLOBALS", "atomic_write_text", "save_checkpoint",
+           "latest_checkpoint", "newest_usable", "load_checkpoint", "read_state", "load_weights",
+           "verify_checkpoint", "complete_checkpoints", "remove_stale_temps", "new_staging_dir", "is_sharded",
+           "write_manifest"]
 
 
 def _sha256(path: Path) -> str:
@@ -80,10 +94,7 @@ def save_checkpoint(ckpt_dir: Path, step: int, model: nn.Module | None, state: d
         if model is not None:
             save_model(model, str(tmp / WEIGHTS))
         torch.save({**state, "step": step}, tmp / STATE)
-        files = sorted(f for f in tmp.rglob("*") if f.is_file())
-        manifest = {"step": step, "files": {f.relative_to(tmp).as_posix(): {"bytes": f.stat().st_size,
-                                                                            "sha256": _sha256(f)} for f in files}}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        files = write_manifest(tmp, step)
         for f in [*files, tmp / MANIFEST]:
             fsync_file(f)
         for d in {f.parent for f in files}:
@@ -101,6 +112,16 @@ def save_checkpoint(ckpt_dir: Path, step: int, model: nn.Module | None, state: d
     shutil.rmtree(old, ignore_errors=True)
     _prune(ckpt_dir, keep)
     return final
+
+
+def write_manifest(folder: Path, step: int) -> list[Path]:
+    """Write the ``manifest.json`` of the checkpoint ``folder`` (the size and sha256 of each of its files);
+    returns the files it lists."""
+    files = sorted(f for f in folder.rglob("*") if f.is_file() and f != folder / MANIFEST)
+    manifest = {"step": step, "files": {f.relative_to(folder).as_posix(): {"bytes": f.stat().st_size,
+                                                                           "sha256": _sha256(f)} for f in files}}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return files
 
 
 def _prune(ckpt_dir: Path, keep: int) -> None:
@@ -185,11 +206,14 @@ def _candidates(ckpt_dir: Path) -> list[Path]:
 
 def newest_usable(ckpt_dir: Path, warn: Callable[[str], None] | None = None) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint whose files verify and whose state loads, with that state; each damaged one
-    skipped on the way is reported through ``warn``. None when there is none."""
+    skipped on the way is reported through ``warn``. None when there is none. A checkpoint whose state needs
+    code qklab does not load is no damaged one: ``UnsafeCheckpoint`` is raised, nothing older is tried."""
     skipped: list[str] = []
     for cand in _candidates(ckpt_dir):
         try:
             state = read_state(cand)
+        except UnsafeCheckpoint:  # not damaged: planted; refused outright
+            raise
         except CheckpointError as e:
             skipped.append(str(e))
             continue
@@ -216,17 +240,39 @@ def latest_checkpoint(ckpt_dir: Path, warn: Callable[[str], None] | None = None,
     return None
 
 
+def _refused_globals(file: Path) -> list[str]:
+    """The globals ``file`` (a ``torch.save`` file) names beyond those torch and ``STATE_GLOBALS`` allow,
+    found without unpickling it ([] when there are none, or it cannot be read that far)."""
+    try:
+        with torch.serialization.safe_globals(list(STATE_GLOBALS)):
+            return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(file))
+    except Exception:  # not a torch.save zip, or a pickle torch's scan does not parse: damaged, then
+        return []
+
+
+def _unpickle_state(path: Path) -> Any:
+    """The checkpoint's ``state.pt`` through torch's weights-only unpickler: tensors, plain values and
+    ``STATE_GLOBALS``. Raises ``UnsafeCheckpoint`` naming any other global it needs, ``CheckpointError``
+    (damaged) when it does not load otherwise."""
+    try:
+        with torch.serialization.safe_globals(list(STATE_GLOBALS)):
+            return torch.load(path / STATE, weights_only=True, map_location="cpu")  # a GPU run's, anywhere
+    except Exception as e:  # unpickling a damaged file can raise nearly anything
+        names = _refused_globals(path / STATE) if isinstance(e, pickle.UnpicklingError) else []
+        if names:
+            raise UnsafeCheckpoint.needing(path, STATE, names) from None
+        raise CheckpointError(f"checkpoint {path} is damaged: state.pt does not load ({type(e).__name__})") from None
+
+
 def read_state(path: Path, unverified: bool = True) -> dict[str, Any]:
-    """Verify the checkpoint and load its state (everything but the weights)."""
+    """Verify the checkpoint and load its state (everything but the weights); a state that needs a global
+    outside ``STATE_GLOBALS`` raises ``UnsafeCheckpoint`` before anything of it is built."""
     problem = verify_checkpoint(path, unverified)
     if problem == NO_MANIFEST:
         raise CheckpointError(f"checkpoint {path} is unverified: {problem}; pass --allow-unverified to use it anyway")
     if problem is not None:
         raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
-    try:
-        state = torch.load(path / STATE, weights_only=False, map_location="cpu")  # a GPU run's, anywhere
-    except Exception as e:  # unpickling a damaged legacy file can raise nearly anything
-        raise CheckpointError(f"checkpoint {path} is damaged: state.pt does not load ({type(e).__name__})") from None
+    state = _unpickle_state(path)
     if not isinstance(state, dict) or "step" not in state:
         raise CheckpointError(f"checkpoint {path} is damaged: state.pt holds no training state")
     return state
@@ -242,6 +288,8 @@ def load_weights(path: Path, model: nn.Module) -> None:
             load_sharded_weights(path / DCP_DIR, model)
         else:
             load_model(model, str(path / WEIGHTS), strict=True)
+    except CheckpointError:  # shards whose index needs code qklab does not load (UnsafeCheckpoint)
+        raise
     except Exception as e:  # shapes that do not fit (RuntimeError), a damaged unverified file (SafetensorError)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {path}: weights do not fit the model ({first[:200]})") from None
