@@ -183,6 +183,32 @@ def test_every_committed_report_matches_its_results(report_json):
         assert [tables[name]["head"], tables[name]["rows"]] == [head, body], f"{report_json}: {name} table"
 
 
+REGISTERED = {  # table -> the columns of the registered statistics (None: every column)
+    "claims": None, "stable_rates": None, "results": ("variant", "attn", "lr (chosen)", "n"),
+    "sensitivity": ("variant", "attn", "chosen", "highest stable")}
+
+
+def _columns(table: dict | list, names: tuple[str, ...] | None) -> list[list[str]]:
+    head, rows = (table["head"], table["rows"]) if isinstance(table, dict) else table
+    idx = [head.index(n) for n in names] if names is not None else range(len(head))
+    return [[head[i] for i in idx], *([r[i] for i in idx] for r in rows)]
+
+
+@pytest.mark.parametrize("report_json", COMMITTED)
+def test_committed_verdicts_and_rates_do_not_move(report_json):
+    """What the registered rules decide from the committed result files, whatever the tables show besides:
+    every claim's verdict (the claims table), each variant's chosen rate and highest stable rate by every rule
+    (the results, sensitivity and stable-rates tables' columns of them) are those its report.json records. A
+    change to how outcomes are shown (diverged apart from not learned) leaves them where they are."""
+    from qklab.report.render import results_table, sensitivity_table, stable_rates_table
+
+    tables, groups, studies, first = _rebuilt_tables(RESULTS / report_json)
+    now = {"claims": claims_rows(groups, claims_table(groups, studies, first)), "results": results_table(groups),
+           "sensitivity": sensitivity_table(groups), "stable_rates": stable_rates_table(groups, studies)}
+    for name, cols in REGISTERED.items():
+        assert _columns(now[name], cols) == _columns(tables[name], cols), f"{report_json}: {name} table"
+
+
 def test_published_verdicts(study, rows):
     got = {r[1]: (r[4], r[3], r[6]) for r in rows[1]}
     for claim, (verdict, old, figure) in EXPECT[study].items():

@@ -8,14 +8,19 @@ from typing import Any
 def result(variant: str, mult: float, seed: int, val: float, report: float, *, attention: str = "mha",
            method: str = "none", controller: str = "none", diverged: bool = False, failed: bool = False,
            max_logit: float = 10.0, first_token: float = 0.1, study: str = "s", curve_shift: float = 0.0,
-           lr: float = 1e-3, probe: dict | None = None) -> dict[str, Any]:
+           lr: float = 1e-3, probe: dict | None = None, not_learned: bool = False) -> dict[str, Any]:
+    """``diverged``: it blew up (a non-finite step); ``not_learned``: diverged by the entropy rule alone, its
+    final selection loss ``val`` above the unigram entropy (6.0) and within a nat of its curve's best (6.0 +
+    ``curve_shift``)."""
     head = {"schema": 1, "study": study, "cell": f"{variant}_lr{mult:g}_s{seed}", "variant": variant,
             "point": {}, "lr_mult": mult, "seed": seed, "log": f"logs/{variant}.log"}
     if failed:
         return {**head, "status": "failed", "diverged": False, "failure": "KeyError: planted", "cell_hash": None}
     steps = [0, 50, 100]
-    return {**head, "status": "diverged" if diverged else "ok", "diverged": diverged,
-            "divergence": "planted" if diverged else None, "failure": None, "git_sha": "abc",
+    why = (f"final selection loss {val:.4f} above the unigram entropy 6.0000" if not_learned
+           else "non-finite loss or gradient (planted)" if diverged else None)
+    return {**head, "status": "diverged" if why else "ok", "diverged": bool(why), "divergence": why,
+            "nonfinite_steps": int(diverged and not not_learned), "failure": None, "git_sha": "abc",
             "attention": attention, "method": method, "controller": controller, "lr": lr * mult,
             "config": {"model": {"attention": attention}, "train": {"seq_len": 64}}, "unigram_entropy": 6.0,
             "final": {"step": 100, "val_loss": val, "report_loss": report, "train_loss": val - 0.1,

@@ -4,6 +4,8 @@ a damaged result is never counted as done."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from qklab.cli import main
@@ -178,3 +180,60 @@ def test_a_large_study_says_how_many_cells_before_checking_them(monkeypatch):
     parse_study({"study": {"config": "tiny", "seeds": [0, 1]}, "grid": {"train.lr": [1e-3, 2e-3]},
                  "variants": {"a": {}}}, "big", note=said.append)
     assert said == ["study big: 4 cells; checking every cell's config (about 0 s) ..."]
+
+
+@pytest.mark.parametrize("schema, shown", [(99, "99, which this qklab does not read (written by a newer qklab?)"),
+                                           (0, "0, which this qklab does not read"),
+                                           ("1", '"1", which this qklab does not read'),
+                                           (1.5, "1.5, which this qklab does not read")])
+def test_a_result_of_an_unknown_schema_is_named_and_not_done(tmp_path, capsys, schema, shown):
+    """A result otherwise whole, of the cell's config, but of a schema this qklab does not read (a newer
+    qklab's): one warning line naming it, never done (``qklab study status``), and skipped by the report."""
+    f = tmp_path / "s.toml"
+    f.write_text(GOOD)
+    cell = load_study(f).cells[0]
+    res = tmp_path / "res"
+    write_json_atomic(res / cell.id / "result.json", {**result("a", 1.0, 0, 5.0, 5.1), "cell_hash": cell.hash})
+    assert cell_status(cell, res) == ("done", load_result(res / cell.id / "result.json")[0])  # schema 1: done
+    write_json_atomic(res / cell.id / "result.json",
+                      {**result("a", 1.0, 0, 5.0, 5.1), "cell_hash": cell.hash, "schema": schema})
+    path = res / cell.id / "result.json"
+    assert load_result(path) == (None, f"{path}: schema {shown}")
+    warned = []
+    assert cell_status(cell, res, warned.append) == ("damaged", None)
+    assert warned == [f"warning: damaged result file {path}: schema {shown}; cell {cell.id} counts as not done"]
+    assert main(["study", "status", str(f), "--results", str(res), "--out", str(tmp_path / "o")]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.splitlines()[0].split() == [cell.id, "damaged"] and "0/1 cells done" in cap.out
+    assert cap.err.strip().splitlines() == warned, cap.err
+    write_json_atomic(res / "b_lr1_s0" / "result.json", result("b", 1.0, 0, 5.0, 5.1))
+    assert main(["report", str(res), "--out", str(tmp_path / "rep")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and f"{path}: schema {shown}; skipped" in err, err
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "Results: 1 cells" in md and f"schema {shown}" in md
+
+
+def test_a_run_keeps_a_result_of_an_unknown_schema_aside(tmp_path):
+    """The runner names a newer qklab's result, trains the cell again and keeps that file, as
+    result.schema-99.json, beside the result it writes; a failure does the same."""
+    from qklab.study.cell import publish
+    from qklab.study.runner import run_study
+
+    set_ = {"train.steps": 4, "train.eval_every": 4, "train.ckpt_every": 4, "data.max_files": 20,
+            "data.cache_dir": str(tmp_path / "cache")}
+    study = parse_study({"study": {"config": "tiny", "seeds": [0], "set": set_}, "variants": {"a": {}}}, "s")
+    cell = study.cells[0]
+    path = tmp_path / "res" / cell.id / "result.json"
+    newer = {**result("a", 1.0, 0, 5.0, 5.1), "cell_hash": cell.hash, "schema": 99}
+    write_json_atomic(path, newer)
+    lines: list[str] = []
+    o = run_study(study, tmp_path / "runs", tmp_path / "res", workers=0, log=lines.append)
+    assert o.ran == [cell.id] and o.damaged == [cell.id]
+    assert sum("schema 99, which this qklab does not read" in ln for ln in lines) == 1, lines
+    assert load_result(path)[0]["schema"] == 1
+    kept = path.with_name("result.schema-99.json")
+    assert load_result(kept)[0] is None and kept.read_text() == json.dumps(newer, indent=1) + "\n"
+    kept.replace(path)
+    publish(tmp_path / "res", cell.id, {**result("a", 1.0, 0, 0, 0, failed=True), "cell_hash": cell.hash})
+    assert kept.is_file() and load_result(path)[0]["status"] == "failed"

@@ -50,7 +50,10 @@ def run_demo(study: str = "demo", methods: str | None = None, overrides: list[st
 
 
 def _print_table(results) -> None:
-    from qklab.study.result import num
+    """One row per variant: the means over its seeds that learned (ok) and those that did not learn (real
+    losses, above the unigram entropy: too few steps), the status counting each outcome; a seed that blew up
+    or failed has no numbers to show. A note under the table says what not learned means."""
+    from qklab.study.result import CellOutcome, cell_outcome, num
     from qklab.study.stats import describe
 
     by: dict[str, list[dict]] = {}
@@ -58,15 +61,25 @@ def _print_table(results) -> None:
         by.setdefault(r["variant"], []).append(r)
     print(f"\n{'variant':<18} {'attn':<4} {'n':>2} {'report loss':>16} {'max logit':>10} {'first tok':>9} "
           f"{'tok/s':>7}  status")
+    shown = (CellOutcome.OK, CellOutcome.NOT_LEARNED)
+    unlearned = []
     for label, rs in by.items():
-        ok = [r for r in rs if r["status"] == "ok"]
+        how = [cell_outcome(r) for r in rs]
+        ok = [r for r, o in zip(rs, how, strict=True) if o in shown]
+        unlearned += [r for r, o in zip(rs, how, strict=True) if o is CellOutcome.NOT_LEARNED]
         rep = describe([num(r["final"].get("report_loss")) for r in ok])
         ml = describe([num(r["final"].get("max_logit")) for r in ok])
         ft = describe([num(r["final"].get("first_token")) for r in ok])
         tps = describe([num(r.get("tokens_per_s")) for r in ok])
         loss = f"{rep['mean']:.4f}" + (f" ± {rep['std']:.4f}" if math.isfinite(rep["std"]) else "")
-        status = ", ".join(f"{sum(r['status'] == s for r in rs)} {s}" for s in ("ok", "diverged", "failed")
-                           if any(r["status"] == s for r in rs))
+        status = ", ".join(f"{how.count(o)} {o}" for o in CellOutcome if o in how)
         att = rs[0].get("attention", "?")
         print(f"{label:<18} {att:<4} {len(ok):>2} {loss:>16} {ml['mean']:>10.2f} {ft['mean']:>9.3f} "
               f"{tps['mean']:>7,.0f}  {status}")
+    if unlearned:
+        uni = num(unlearned[0].get("unigram_entropy"))
+        steps = unlearned[0].get("final", {}).get("step")
+        print(f"\nnot learned: {len(unlearned)} cell(s) ended with a selection loss above the unigram entropy of "
+              f"the selection tokens ({uni:.4f} nats) without blowing up: after {steps} steps they predict no better "
+              "than token frequencies (train longer: --set train.steps=N); their losses are shown above, and a study's "
+              "rate rules count them as diverged")

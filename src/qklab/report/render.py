@@ -21,7 +21,7 @@ from qklab.report.ladder import ladder_table
 from qklab.report.probes import probes_tables
 from qklab.study.analyze import DELTA, analyze, best_by_place, best_select, highest_within, load_results, place
 from qklab.study.plan import stored_plan
-from qklab.study.result import DIVERGENCE_RULE, write_json_atomic
+from qklab.study.result import DIVERGENCE_RULE, OUTCOME_RULE, write_json_atomic
 from qklab.study.stats import fmt_ci, fmt_mean_std
 
 Table = tuple[list[str], list[list[str]]]
@@ -78,14 +78,15 @@ def grid_edge(mult: float, sweep: dict) -> str:
 def results_table(groups: list[dict]) -> Table:
     head = ["variant", "attn", "method", "controller", "lr (chosen)", "n", "selection loss", "report loss",
             "95% CI", "vs reference (paired)", "95% CI", "bootstrap 95%", "p", "max logit", "first token",
-            "diverged", "failed"]
+            "diverged", "not learned", "failed"]
     rows = []
     for g in groups:
         st, sw = g["stats"], g["sweep"]
         d = g["paired"].get("report_loss")
         ch = g["chosen"]
         sel = sw[ch]["select"] if ch is not None else None
-        div = sum(s["diverged"] for s in sw.values())
+        nl = sum(s.get("not_learned", 0) for s in sw.values())
+        div = sum(s["diverged"] for s in sw.values()) - nl
         rows.append([
             variant_name(g), g["attention"], g["method"] or "-",
             g["controller"] or "-", f"{g['chosen_lr']:.3g} (x{ch:g}{grid_edge(ch, sw)})" if ch is not None
@@ -96,13 +97,20 @@ def results_table(groups: list[dict]) -> Table:
             fmt_ci(d["ci_lo"], d["ci_hi"]) if d else "-", fmt_ci(d["boot_lo"], d["boot_hi"]) if d else "-",
             f"{d['p']:.3g}" if d and math.isfinite(d["p"]) else "-",
             fmt_mean_std(st["max_logit"], 1), fmt_mean_std(st["first_token"]),
-            f"{div}/{g['n_cells']}", f"{len(g['failed'])}/{g['n_cells']}"])
+            f"{div}/{g['n_cells']}", f"{nl}/{g['n_cells']}", f"{len(g['failed'])}/{g['n_cells']}"])
     return head, rows
+
+
+def unstable(s: dict) -> list[tuple[str, int]]:
+    """[("diverged", 1), ("not learned", 2)]: a rate's seeds that blew up and that did not learn (the
+    registered rule's diverged seeds, ``analyze``'s sweep), those it has."""
+    nl = s.get("not_learned", 0)
+    return [(what, n) for what, n in (("diverged", s["diverged"] - nl), ("not learned", nl)) if n]
 
 
 def results_links(groups: list[dict], cells: Cells) -> Links:
     """The results table's numbers: those at the chosen rate from its cells, the paired ones from those
-    and the reference's, the diverged and failed counts from every cell of the variant."""
+    and the reference's, the diverged, not learned and failed counts from every cell of the variant."""
     by_key = {(g["study"], g["point"], g["variant"]): g for g in groups}
     out = []
     for g in groups:
@@ -117,7 +125,7 @@ def results_links(groups: list[dict], cells: Cells) -> Links:
             paired = cells.link(both, f"{name} and its reference {g.get('reference')}, each at its chosen rate")
         every = cells.link(_paths(g), f"{name} at every rate")
         out.append({**dict.fromkeys((4, 5, 6, 7, 8, 13, 14), at), **dict.fromkeys((9, 10, 11, 12), paired),
-                    15: every, 16: every})
+                    15: every, 16: every, 17: every})
     return out
 
 
@@ -132,9 +140,9 @@ def sensitivity_table(groups: list[dict]) -> Table:
             if s is None:
                 cells.append("not run")
             elif s["diverged"] and s["diverged"] == s["n"] - s["failed"]:
-                cells.append(f"diverged ({s['diverged']}/{s['n']})")
+                cells.append(", ".join(f"{what} ({n}/{s['n']})" for what, n in unstable(s)))
             else:
-                cells.append(fmt_mean_std(s["select"]) + (f", {s['diverged']} diverged" if s["diverged"] else "")
+                cells.append(fmt_mean_std(s["select"]) + "".join(f", {n} {what}" for what, n in unstable(s))
                              + (f", {s['failed']} failed" if s["failed"] else ""))
         hs = g["highest_stable"]
         rows.append([g["variant"], g["attention"], *cells, f"x{g['chosen']:g}" if g["chosen"] is not None else "-",
@@ -151,10 +159,11 @@ def _late(s: dict) -> str:
 
 def stability_table(groups: list[dict]) -> Table:
     """Every variant at every rate: selection loss (all finished seeds) and its margin below the unigram
-    entropy (0 or less: a plateau at token frequencies, counted as diverged), how far it still fell over
-    the last evaluation interval, final max logit, loss spikes."""
+    entropy (0 or less: a plateau at token frequencies, not learned, which the rules count as diverged), how
+    far it still fell over the last evaluation interval, final max logit, loss spikes, and the seeds that
+    diverged (blew up), did not learn, failed."""
     head = ["variant", "attn", "lr", "n", "selection loss (all seeds)", "below unigram", "still falling",
-            "max logit (end)", "loss spikes", "diverged", "failed"]
+            "max logit (end)", "loss spikes", "diverged", "not learned", "failed"]
     rows = []
     for g in groups:
         uni = g.get("unigram_entropy", float("nan"))
@@ -164,7 +173,8 @@ def stability_table(groups: list[dict]) -> Table:
             rows.append([g["variant"], g["attention"], f"{s['lr']:.3g} (x{m:g})", str(s["n"]), fmt_mean_std(sel),
                          f"{uni - sel['mean']:.3f}" if sel["n"] else "-", _late(s),
                          f"{ml['mean']:.1f}" if ml["n"] else "-", str(s.get("spikes", 0)),
-                         f"{s['diverged']}/{s['n']}", f"{s['failed']}/{s['n']}"])
+                         f"{s['diverged'] - s.get('not_learned', 0)}/{s['n']}",
+                         f"{s.get('not_learned', 0)}/{s['n']}", f"{s['failed']}/{s['n']}"])
     return head, rows
 
 
@@ -198,7 +208,7 @@ def stable_rates_table(groups: list[dict], studies: dict[str, dict]) -> Table:
 def grid_table(groups: list[dict]) -> Table:
     """The whole grid at a glance, one row per learning rate and one column per variant: final
     selection-split loss over every finished seed (mean ± std) / mean final max logit, and how many seeds
-    diverged. Give it one study's groups: a column per variant and grid point."""
+    diverged or did not learn. Give it one study's groups: a column per variant and grid point."""
     lrs = sorted({round(s["lr"], 12) for g in groups for s in g["sweep"].values() if math.isfinite(s["lr"])})
     head = ["lr", *map(variant_name, groups)]
     rows = []
@@ -209,10 +219,9 @@ def grid_table(groups: list[dict]) -> Table:
             if s is None or s["n"] == s["failed"]:
                 row.append("-" if s is None else f"failed ({s['failed']}/{s['n']})")
                 continue
-            ml = s["max_logit"]
+            ml, bad = s["max_logit"], ", ".join(f"{k}/{s['n']} {what}" for what, k in unstable(s))
             row.append(fmt_mean_std(s.get("select_all", s["select"]), 2)
-                       + (f" / {ml['mean']:.0f}" if ml["n"] else "")
-                       + (f" ({s['diverged']}/{s['n']} diverged)" if s["diverged"] else ""))
+                       + (f" / {ml['mean']:.0f}" if ml["n"] else "") + (f" ({bad})" if bad else ""))
         rows.append(row)
     return head, rows
 
@@ -368,7 +377,7 @@ def _header(analysis: dict, dirs: list[str], results: list[dict]) -> list[str]:
               "and a percentile bootstrap over seeds; in the claims table also the exact sign-flip test, "
               "adjusted across each paper's claims). A chosen rate at the top or bottom of its variant's grid (of "
               "three rates or more) is marked so: its optimum may lie beyond the grid.", "",
-              f"Divergence rule: {DIVERGENCE_RULE}."]
+              f"Divergence rule: {DIVERGENCE_RULE}. The tables show its two kinds apart: {OUTCOME_RULE}."]
     lines += code_lines(results)  # per study (analysis["git_shas"] keeps the HEAD each cell recorded)
     return lines
 

@@ -7,6 +7,8 @@ split, and compare each variant with its reference on the same seeds.
   only selection losses; report losses are read afterwards, at the chosen rate only.
 * The highest stable rate is the highest rate at which no seed diverged (failed cells do not count): the
   entropy rule, as a diverged run is one whose loss ends above the unigram entropy (``DIVERGENCE_RULE``).
+  A rate's ``diverged`` counts every such seed, those that blew up and those that did not learn; its
+  ``not_learned`` counts the latter (``result.CellOutcome``), for the tables to show them apart.
   Under the delta rule a rate holds when, besides, its mean selection loss is within ``delta`` nats of
   the variant's own best rate; ``near_best`` is the highest rate at which the variant is within ``delta``
   of the best variant of its study, grid point and attention type.
@@ -24,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from qklab.study.result import load_result, num, read_json
+from qklab.study.result import CellOutcome, cell_outcome, load_result, num, read_json
 from qklab.study.stats import describe, paired_difference
 
 
@@ -252,6 +254,7 @@ def _group(key: tuple, rs: list[dict]) -> dict[str, Any]:
         select[m] = [num(c["final"]["val_loss"]) for c in fin]
         eligible[m] = bool(fin) and not div and len(fin) == len(cs)
         sweep[m] = {"lr": num(fin[0]["lr"]) if fin else float("nan"), "n": len(cs), "diverged": len(div),
+                    "not_learned": sum(cell_outcome(c) is CellOutcome.NOT_LEARNED for c in div),  # of the diverged
                     "failed": len(cs) - len(fin), "select": describe([x for c, x in zip(fin, select[m], strict=True)
                                                                          if not c["diverged"]]),
                     "select_all": describe(select[m]),  # diverged cells included: the stability table

@@ -21,6 +21,7 @@ from qklab.study.result import (
     failed_result,
     load_result,
     read_result,
+    schema_problem,
     write_json_atomic,
 )
 from qklab.study.spec import Cell
@@ -104,8 +105,14 @@ def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, pro
 def publish(results: Path, cell_id: str, res: dict[str, Any]) -> None:
     """Write a cell's result.json atomically. A failure is no successor: a finished result of another
     config in its place is first moved aside to ``result.<its hash>.json`` (a damaged one to
-    ``result.damaged.json``), never overwritten."""
+    ``result.damaged.json``), never overwritten. Nor is any result the successor of one of a schema this
+    qklab does not read (a newer qklab's): that one is moved aside to ``result.schema-<its schema>.json``."""
     path = results / cell_id / "result.json"
+    old = read_result(path)
+    if old is not None and schema_problem(old) is not None:
+        schema = old.get("schema")
+        with contextlib.suppress(OSError):
+            os.replace(path, path.with_name(f"result.schema-{schema if type(schema) is int else 'unknown'}.json"))
     if res.get("status") == "failed" and path.is_file():
         old, problem = load_result(path)
         if problem is not None or (old.get("status") in DONE and old.get("cell_hash") != res.get("cell_hash")):

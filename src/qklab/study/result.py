@@ -8,6 +8,17 @@ Divergence rule (shared/specs/analyses.md, item 7): a cell diverged if a loss or
 (recorded as an event, or the run stopped on it), or if its final selection-split loss is above the
 unigram entropy of the selection tokens (it learned nothing beyond token frequencies). A diverged cell
 is a result; a failed cell (any other exception) is not, and is run again on the next invocation.
+
+What a user reads tells the two kinds of diverged cell apart (``CellOutcome``): *diverged*, a run that blew
+up (a non-finite value, or a selection loss that ended far above its own best), and *not learned*, one that
+ended above the unigram entropy without blowing up (a short run, or a rate too high to learn beyond token
+frequencies). Both stay ``status: "diverged"``, ``diverged: true``, and the statistics (eligible and
+stable rates, claims) count both as today; results record the outcome as ``outcome``, and one without it
+(written before) gets it from the fields it holds (``cell_outcome``).
+
+``schema``: the format of the file; a file of another schema (a newer qklab's) is unusable here, named and
+never counted as done (``result_problem``). A file without ``schema`` is read as schema 1: every qklab has
+written the field, so a file without it is hand-made or trimmed, not of another format.
 """
 
 from __future__ import annotations
@@ -15,6 +26,8 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Mapping
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +41,93 @@ SERIES_KEYS = ("max_logit", "logit_change", "wq_norm", "wk_norm")  # per head ov
 SERIES_POINTS = 32
 DIVERGENCE_RULE = ("diverged = a non-finite loss or gradient was met, or the final selection-split loss is above "
                    "the unigram entropy of the selection tokens (analyses.md item 7)")
+NONFINITE = "non-finite loss or gradient"  # how the divergence reason of a run that met one begins
+
+
+class CellOutcome(StrEnum):
+    """How a cell ended, as a user reads it. ``ok`` and ``failed`` are its status; a diverged cell
+    (``DIVERGENCE_RULE``) is ``diverged`` when it blew up (a non-finite loss or gradient, a non-finite final
+    selection loss, or a final selection loss more than ``BLOWUP_NATS`` above the run's best) and ``not
+    learned`` otherwise: it ended above the unigram entropy of the selection tokens without blowing up."""
+
+    OK = "ok"
+    DIVERGED = "diverged"
+    NOT_LEARNED = "not learned"
+    FAILED = "failed"
+
+
+BLOWUP_NATS = 1.0
+"""Nats above the run's best selection loss at which a final selection loss counts as blown up. A nat is a
+factor e (2.7) in the probability the model gives each held-out token: three times the evaluation noise of
+the committed studies, whose selection loss rises by at most 0.31 nats from one evaluation to the next (0.21
+in a run that learned) and ends at most 0.12 above its best (mla-none at x100 in logit_control_mla_cpu; in a
+run that learned, 0.02). Of the 753 committed finished cells, 747 are ok, 6 not learned (standard attention
+at x30-x100, on MHA and MLA: a plateau at token frequencies, never below it) and none blew up."""
+
+OUTCOME_RULE = (f"diverged = it blew up: a non-finite loss or gradient, or a final selection-split loss more than "
+                f"{BLOWUP_NATS:g} nat{'s' * (BLOWUP_NATS != 1)} above the run's best; not learned = its final "
+                "selection-split loss is above the unigram entropy without either; the rates and claims count both "
+                "as diverged")
+
+
+def classify(status: str, diverged: bool, nonfinite: bool, final_val: float, best_val: float) -> CellOutcome:
+    """The outcome of a cell from its status, its registered ``diverged`` flag, whether it met a non-finite
+    loss or gradient, and its final and best selection losses (NaN: none). ``ok`` exactly when the
+    registered rule says it did not diverge: the outcome only names what ``diverged`` counts."""
+    if status == "failed":
+        return CellOutcome.FAILED
+    if not diverged:
+        return CellOutcome.OK
+    best = min(best_val, final_val) if math.isfinite(best_val) else final_val
+    if nonfinite or not math.isfinite(final_val) or final_val - best > BLOWUP_NATS:
+        return CellOutcome.DIVERGED
+    return CellOutcome.NOT_LEARNED
+
+
+_AGREES = {"ok": (CellOutcome.OK,), "diverged": (CellOutcome.DIVERGED, CellOutcome.NOT_LEARNED),
+           "failed": (CellOutcome.FAILED,)}
+
+
+def cell_outcome(res: Mapping[str, Any]) -> CellOutcome:
+    """A result's outcome: the ``outcome`` it records where that agrees with its status, else derived from
+    what every result file holds (status, ``diverged``, the divergence reason, ``nonfinite_steps``, the final
+    and best selection losses, the selection curve), so results written before ``outcome`` need no rewrite."""
+    status = res.get("status")
+    agrees = _AGREES.get(status, ())
+    if res.get("outcome") in agrees:
+        return CellOutcome(res["outcome"])
+    if status == "failed" or not res.get("diverged"):
+        return classify(status, False, False, float("nan"), float("nan"))
+    steps = res.get("nonfinite_steps")
+    nonfinite = str(res.get("divergence") or "").startswith(NONFINITE) or (_is_num(steps) and num(steps) > 0)
+    return classify(status, True, nonfinite, *_final_best(res))
+
+
+def _final_best(res: Mapping[str, Any]) -> tuple[float, float]:
+    """A finished result's final selection loss and its best (of ``best_val_loss`` and the selection curve)."""
+    final = res.get("final") if isinstance(res.get("final"), dict) else {}
+    curve = ((res.get("curves") or {}).get("val") or {}).get("val_loss") or []
+    curve = curve if isinstance(curve, list) else []
+    best = min((x for x in map(num, [res.get("best_val_loss"), *curve]) if math.isfinite(x)), default=float("nan"))
+    return num(final.get("val_loss")), best
+
+
+def outcome_line(res: Mapping[str, Any]) -> str:
+    """'not learned (final selection loss 6.85 above the unigram entropy 6.21)': a result's outcome and why
+    (for a rise above its best, how far), as the runner prints it; a failure is the caller's to word."""
+    how, why = cell_outcome(res), res.get("divergence")
+    final, best = _final_best(res)
+    if how is CellOutcome.DIVERGED and not str(why or "").startswith(NONFINITE) and math.isfinite(final - best):
+        why = f"{why}; {final - best:.2f} nats above its best {best:.4f}"
+    return f"{how} ({why})" if why else str(how)
+
+
+def tally(outcomes) -> str:
+    """'3 ok, 1 diverged, 2 not learned, 0 failed': how many of each outcome (an iterable of them)."""
+    counts = {o: 0 for o in CellOutcome}
+    for o in outcomes:
+        counts[CellOutcome(o)] += 1
+    return ", ".join(f"{n} {o}" for o, n in counts.items())
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -99,9 +199,10 @@ def build_result(header: dict[str, Any], run_dir: Path, records: list[dict], uni
     final_val = num(evals[-1]["val_loss"]) if evals else float("nan")
     report = next((num(r["report_loss"]) for r in reversed(records) if "report_loss" in r), float("nan"))
     nonfinite = bool(stopped) or bool(stab["nonfinite_steps"]) or any(not math.isfinite(x) for x in losses)
+    best = min((num(r["val_loss"]) for r in evals), default=float("nan"))
     reason = None
     if nonfinite:
-        reason = "non-finite loss or gradient" + (f" ({stopped})" if stopped else "")
+        reason = NONFINITE + (f" ({stopped})" if stopped else "")
     elif not math.isfinite(final_val) or final_val > unigram:
         reason = f"final selection loss {final_val:.4f} above the unigram entropy {unigram:.4f}"
     tail = losses[-max(1, len(losses) // 10):]
@@ -112,8 +213,10 @@ def build_result(header: dict[str, Any], run_dir: Path, records: list[dict], uni
     tps = [num(r["tokens_per_s"]) for r in records if "tokens_per_s" in r]
     steady = tps[len(tps) // 5:] or tps
     m, q = info["model"], info["qk"]
-    return {**header, "status": "diverged" if reason else "ok", "diverged": bool(reason), "divergence": reason,
-            "failure": None, "cell_hash": cell_hash, "git_sha": info.get("git_sha"), "corpus": info.get("corpus"),
+    status = "diverged" if reason else "ok"
+    return {**header, "status": status, "diverged": bool(reason), "divergence": reason,
+            "outcome": classify(status, bool(reason), nonfinite, final_val, best).value, "failure": None,
+            "cell_hash": cell_hash, "git_sha": info.get("git_sha"), "corpus": info.get("corpus"),
             "config": {k: info[k] for k in ("model", "qk", "data", "train", "preset") if k in info},
             "versions": info.get("versions"), "n_params": info.get("n_params"), "device": info.get("device"),
             "machines": info.get("machines"),
@@ -125,7 +228,7 @@ def build_result(header: dict[str, Any], run_dir: Path, records: list[dict], uni
                       "first_token": num(last_diag.get("first_token_mean")),
                       "sink_rate": num(last_diag.get("sink_rate")),
                       "logit_change": num(last_diag.get("logit_change_mean"))},
-            "best_val_loss": min((num(r["val_loss"]) for r in evals), default=float("nan")),
+            "best_val_loss": best,
             "curves": {"train": _curve(records, "loss"), "val": _curve(evals, "val_loss"),
                        "max_logit": _curve(evals, "max_logit"),
                        "logit_change": _curve([{"step": r["step"], **r["diag"]} for r in diags], "logit_change_mean"),
@@ -137,8 +240,8 @@ def build_result(header: dict[str, Any], run_dir: Path, records: list[dict], uni
 
 
 def failed_result(header: dict[str, Any], message: str, cell_hash: str | None, seconds: float) -> dict[str, Any]:
-    return {**header, "status": "failed", "diverged": False, "divergence": None, "failure": message,
-            "cell_hash": cell_hash, "seconds": seconds}
+    return {**header, "status": "failed", "diverged": False, "divergence": None, "outcome": CellOutcome.FAILED.value,
+            "failure": message, "cell_hash": cell_hash, "seconds": seconds}
 
 
 def read_json(path: Path) -> tuple[Any, str | None]:
@@ -176,10 +279,21 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, str) and v in ("nan", "inf", "-inf")
 
 
+def schema_problem(res: dict[str, Any]) -> str | None:
+    """None for a result of the schema this qklab reads (or none recorded: schema 1); else which it is."""
+    schema = res.get("schema", SCHEMA)
+    if type(schema) is int and schema == SCHEMA:
+        return None
+    newer = " (written by a newer qklab?)" if type(schema) is int and schema > SCHEMA else ""
+    return f"schema {json.dumps(schema)[:40]}, which this qklab does not read{newer}"
+
+
 def result_problem(res: Any) -> str | None:
     """None for a result a report and the runner can use; otherwise what is wrong with it, in a few words."""
     if not isinstance(res, dict):
         return f"a JSON {type(res).__name__}, not a result object"
+    if (schema := schema_problem(res)) is not None:
+        return schema
     missing = [k for k in ("cell", "variant", "lr_mult", "seed", "status") if k not in res]
     if missing:
         return f"no {', '.join(missing)} field{'s' if len(missing) > 1 else ''}"
@@ -187,6 +301,8 @@ def result_problem(res: Any) -> str | None:
         return "cell and variant must be names"
     if res["status"] not in STATUSES:
         return f"status {res['status']!r} is none of {', '.join(STATUSES)}"
+    if res.get("outcome") in tuple(CellOutcome) and res["outcome"] not in _AGREES[res["status"]]:
+        return f"outcome {res['outcome']!r} disagrees with status {res['status']!r}"
     if not _is_num(res["lr_mult"]) or type(res["seed"]) is not int:
         return "lr_mult must be a number and seed an integer"
     if not isinstance(res.get("point", {}), dict) or not isinstance(res.get("study", ""), str):

@@ -17,7 +17,9 @@ command line without ``--allow-dirty``) refuses a dirty checkout before anything
 
 A cell whose result file exists, says ok or diverged and matches the cell's config hash is done and
 skipped, so a study continues from committed results alone, on another machine. A damaged result file is
-named and its cell run again; a result of another config stays until its successor replaces it (by rename).
+named and its cell run again, and so is one of a schema this qklab does not read (a newer qklab's, which
+the run then keeps aside as ``result.schema-<n>.json``); a result of another config stays until its
+successor replaces it (by rename).
 A cell with the same config hash as a finished cell of another study listed in ``[protocol] reuse`` is
 copied, not rerun. A failed cell is run again. An interrupted cell resumes from its last checkpoint. Each
 worker process gets an equal share of the CPU threads (or ``threads``). Data is prepared once per distinct
@@ -366,8 +368,7 @@ def _run_study(study: Study, out: Path, results: Path, workers: int, log, thread
                      {c.id: expected_cost(c) for c in runnable})
     finally:
         bar.close()
-    c = outcome.counts()
-    log(f"study {study.name}: {c['ok']} ok, {c['diverged']} diverged, {c['failed']} failed "
+    log(f"study {study.name}: {outcome.tally()} "
         f"({len(outcome.ran)} run now, {len(outcome.skipped)} skipped"
         + (f", {len(outcome.busy)} busy in another process" if outcome.busy else "")
         + (f", {len(outcome.stopped)} stopped, {len(outcome.not_started)} not started" if outcome.signal else "")

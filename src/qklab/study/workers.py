@@ -18,9 +18,13 @@ from typing import Any
 from qklab.rundir.folder import LOCK, RunLockError
 from qklab.study.cell import BUSY, DONE, STOP_GRACE_S, STOPPED, publish, run_cell
 from qklab.study.result import (
+    CellOutcome,
     cell_header,
+    cell_outcome,
     failed_result,
+    outcome_line,
     read_result,
+    tally,
 )
 from qklab.study.spec import Cell, Study
 
@@ -39,6 +43,10 @@ class Outcome:
 
     def counts(self) -> Counter:
         return Counter(r["status"] for r in self.results.values())
+
+    def tally(self) -> str:
+        """'3 ok, 1 diverged, 2 not learned, 0 failed': the results by outcome (``result.CellOutcome``)."""
+        return tally(map(cell_outcome, self.results.values()))
 
 
 PR_SET_PDEATHSIG = 1
@@ -153,21 +161,18 @@ def _stamp(path: Path) -> tuple[int, int, int] | None:
 def note_finished(cell: Cell, res: dict, outcome: Outcome, bar, steps: dict[str, int], log) -> None:
     outcome.results[cell.id] = res
     outcome.ran.append(cell.id)
-    what = {"ok": "ok", "diverged": f"diverged ({res.get('divergence')})",
-            "failed": f"FAILED: {res.get('failure')} (log: {res.get('log')})"}[res["status"]]
+    how = cell_outcome(res)
+    what = f"FAILED: {res.get('failure')} (log: {res.get('log')})" if how is CellOutcome.FAILED else outcome_line(res)
     extra = ""
-    if res["status"] != "failed":
+    if how is not CellOutcome.FAILED:
         f = res["final"]
         extra = f"  val {float(f['val_loss']):.4f}  report {float(f['report_loss']):.4f}  {res['seconds']:.0f} s"
     (bar.write if not bar.disable else log)(f"  {cell.id}: {what}{extra}")
-    c = outcome.counts()
-    bar.set_postfix_str(f"done {c['ok']} diverged {c['diverged']} failed {c['failed']}")
+    bar.set_postfix_str(f"done: {outcome.tally()}")
 
 
 def _show_running(bar, running: int, outcome: Outcome, queued: int) -> None:
-    c = outcome.counts()
-    bar.set_postfix_str(f"running {running} queued {queued} | done {c['ok']} diverged {c['diverged']} "
-                        f"failed {c['failed']}", refresh=False)
+    bar.set_postfix_str(f"running {running} queued {queued} | done: {outcome.tally()}", refresh=False)
 
 
 def time_left_s(elapsed: float, done_steps: dict[str, int], steps: dict[str, int], cost: dict[str, float]) -> float:
@@ -239,10 +244,10 @@ def run_pool(cells: list[Cell], study: Study, out: Path, results: Path, workers:
                     publish(results, cid, res)
                 note_finished(cell, res, outcome, bar, steps, log)
             if bar.disable and time.time() - last_note > 60:  # no terminal: a line a minute, with an ETA
-                c, done, total = outcome.counts(), progress["steps"], sum(steps.values())
+                done, total = progress["steps"], sum(steps.values())
                 eta = time_left_s(time.time() - t_start, counted, steps, cost or steps)
-                log(f"  {done}/{total} steps; running {len(running)}, done {c['ok']}, diverged {c['diverged']}, "
-                    f"failed {c['failed']}, queued {len(queue)}; ETA {eta / 60:.1f} min")
+                log(f"  {done}/{total} steps; running {len(running)}, queued {len(queue)}, done: {outcome.tally()}; "
+                    f"ETA {eta / 60:.1f} min")
                 last_note = time.time()
     except KeyboardInterrupt as e:
         stop = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT
