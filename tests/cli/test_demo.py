@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import math
 
+from qklab.cli import main
+
 
 def test_a_short_demo_names_its_cells_not_learned_and_shows_their_losses(tmp_path, capsys):
-    from qklab.cli.main import main  # here: importing the module at collection would shadow qklab.cli.main
-
     short = ["train.steps=4", "train.eval_every=4", "train.ckpt_every=4", "train.diag_every=4", "train.log_every=2",
              "train.warmup_steps=2", "data.tokenizer=bytes", "data.max_files=20", f"data.cache_dir={tmp_path / 'c'}"]
     argv = ["demo", "--methods", "none", "--workers", "0", "--out", str(tmp_path / "d")]

@@ -63,6 +63,12 @@ def test_status_lists_done_and_todo(tmp_path, capsys):
     assert out[0].split()[:2] == ["a_lr1_s0", "done"] and out[1].split()[:2] == ["a_lr1_s1", "todo"]
     assert out[-2].startswith("st: 1/2 cells done")
     assert out[-1] == "plan: no claims registered (every claim of its report is exploratory)"
+    # a cell that ended above the unigram entropy without blowing up is shown as not learned, not diverged
+    r = result("a", 1.0, 0, 6.5, 6.5, not_learned=True)
+    r["cell_hash"] = cell.hash
+    write_json_atomic(res / cell.id / "result.json", r)
+    assert main(["study", "status", str(f), "--out", str(tmp_path / "o"), "--results", str(res)]) == 0
+    assert capsys.readouterr().out.splitlines()[0].split(None, 2) == ["a_lr1_s0", "done", "not learned"]
 
 
 def test_cell_hash_ignores_defaults_and_upgrades_legacy_results(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from qklab.cli.main import main
+from qklab.cli.commands import main
 from qklab.report import write_report
 from qklab.study.plan import defaults
 from qklab.study.result import write_json_atomic

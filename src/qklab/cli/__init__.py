@@ -1,9 +1,9 @@
 """The command line: argument parsing, and each command one call into the rooms below (``qklab --help``).
 
-    main.py    the parser, the commands, how an error becomes one line and an exit code
-    study.py   qklab study run|status
-    demo.py    qklab demo (the main job)
-    sweep.py   qklab sweep (a study from command-line variants)
+    commands.py  the parser, the commands, how an error becomes one line and an exit code
+    study.py     qklab study run|status
+    demo.py      qklab demo (the main job)
+    sweep.py     qklab sweep (a study from command-line variants)
 
 ``qklab --version`` answers here, before the parser's imports bring torch in.
 """
@@ -21,13 +21,13 @@ def main(argv: list[str] | None = None) -> int:
 
         print(version_line())
         return 0
-    from qklab.cli.main import main as run
+    from qklab.cli.commands import main as run
 
     return run(argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from qklab.cli.main import build_parser as build
+    from qklab.cli.commands import build_parser as build
 
     return build()
 

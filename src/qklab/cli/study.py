@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from qklab.config import ConfigError, packaged, resolve_named_file
+from qklab.study.result import cell_outcome
 from qklab.study.runner import cell_status, expected_cost, reusable, reuse_index, run_study
 from qklab.study.spec import Study, load_study
 from qklab.study.workers import Outcome
@@ -102,7 +103,7 @@ def _status(study: Study, results: Path) -> int:
     pace = [0.0, 0.0, 0.0]  # seconds of the finished cells, their cost, the cost of the cells to train
     for c in study.cells:
         status, res = cell_status(c, results, warn)
-        detail = (res or {}).get("status", "") if status != "done" else res["status"]
+        detail = (res or {}).get("status", "") if status != "done" else str(cell_outcome(res))
         src = reusable(c, study, index) if status not in ("done",) else None
         if src is not None:
             status, detail, n_reuse = "reuse", f"from {src[0]} ({src[1]['status']})", n_reuse + 1
