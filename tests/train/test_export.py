@@ -68,3 +68,21 @@ def test_export_of_a_missing_run_is_one_line(tmp_path, capsys):
     assert main(["export", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no such run or checkpoint folder" in err[0]
+
+
+def test_written_files_follow_the_umask(tmp_path):
+    """Every file of a run folder, its checkpoints and an export gets 0666 less the umask, as any program's
+    files do: safetensors writes its files 0600, which a shared run folder's readers could not open."""
+    import os
+
+    old = os.umask(0o002)  # a group-shared folder's umask: 0664 for every file
+    try:
+        t = Trainer(_cfg(tmp_path, "modes", "train.steps=5"), log=lambda s: None)
+        t.run()
+        assert main(["export", str(t.run_dir), "--out", str(tmp_path / "exp")]) == 0
+    finally:
+        os.umask(old)
+    files = [f for d in (t.run_dir, tmp_path / "exp") for f in d.rglob("*") if f.is_file()]
+    assert any(f.name == "model.safetensors" for f in files) and len(files) > 5
+    assert {f.relative_to(tmp_path).as_posix(): oct(f.stat().st_mode & 0o777) for f in files} == \
+        {f.relative_to(tmp_path).as_posix(): "0o664" for f in files}

@@ -39,7 +39,7 @@ from numpy._core.multiarray import _reconstruct
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from qklab.atomic import atomic_write_text, fsync_dir, fsync_file, pid_alive
+from qklab.atomic import atomic_write_text, follow_umask, fsync_dir, fsync_file, pid_alive
 from qklab.errors import CheckpointError, UnsafeCheckpoint
 
 PREFIX = "step_"
@@ -93,6 +93,7 @@ def save_checkpoint(ckpt_dir: Path, step: int, model: nn.Module | None, state: d
     try:
         if model is not None:
             save_model(model, str(tmp / WEIGHTS))
+            follow_umask(tmp / WEIGHTS)  # safetensors writes 0600
         torch.save({**state, "step": step}, tmp / STATE)
         files = write_manifest(tmp, step)
         for f in [*files, tmp / MANIFEST]:

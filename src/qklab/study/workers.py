@@ -87,7 +87,7 @@ def _worker(cell: Cell, study: str, out: Path, results: Path, threads: int, prob
 
         threading.Thread(target=_watch_study, args=(alive,), name="qklab-watch-study", daemon=True).start()
     log = out / "logs" / f"{cell.id}.log"
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)  # less the umask
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     sys.stdout = os.fdopen(1, "w", buffering=1)
