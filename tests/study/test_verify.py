@@ -36,7 +36,7 @@ def test_verify_passes_on_an_untouched_cell_and_fails_one_ulp_off(tmp_path, caps
     # where each ran: the same kind of machine here; the final losses one ulp apart
     gap = math.nextafter(res["final"]["report_loss"], -math.inf) - res["final"]["report_loss"]  # retrained - committed
     assert "where: the same kind of machine" in cap.out and f"committed ({gap:+.3g})" in cap.out
-    res["machines"] = [{**res["machines"][0], "cpu_capability": another_cpu_capability()}]  # committed from another machine
+    res["machines"] = [{**res["machines"][0], "cpu_capability": another_cpu_capability()}]  # committed elsewhere
     write_json_atomic(path, res)
     assert main(["study", "verify", str(res_dir)]) == 1
     assert "float kernels differ between machines" in capsys.readouterr().out
@@ -105,7 +105,8 @@ def test_verify_same_machine_draws_only_cells_trained_on_this_kind(tmp_path, cap
         path = res_dir / cell / "result.json"
         res = read_result(path)
         if edit == "other":  # trained on another kind from step 3 on
-            res["machines"] = [res["machines"][0], {**res["machines"][0], "from_step": 3, "cpu_capability": another_cpu_capability()}]
+            other = {**res["machines"][0], "from_step": 3, "cpu_capability": another_cpu_capability()}
+            res["machines"] = [res["machines"][0], other]
         else:
             del res["machines"]
         write_json_atomic(path, res)
