@@ -6,6 +6,8 @@
 * ``attach(model, optimizer, controller, **options)``: an optimizer-side controller (quack, qkclip,
   qk_lr_multiplier, compositional) on any PyTorch model (``qklab.attach`` is the same function).
 * ``QKCallback``: the controllers and per-head max-logit logging under transformers' ``Trainer``.
+* ``from_pretrained(path)``: a folder saved after ``apply`` loads back as the same model (so does
+  ``AutoModelForCausalLM.from_pretrained`` once ``qklab.hf`` is imported: ``pretrained.register``).
 * DeepSeek-V2/V3 MLA weights to and from qklab's MLA; a qklab GPT to and from a Llama / Qwen3 folder.
 
 Only the functions that build or read transformers objects import ``transformers`` (the ``hf`` extra).
@@ -18,10 +20,13 @@ from qklab.hf.attach import Attached, attach
 from qklab.hf.deepseek import load_deepseek_attention, mla_config, mla_from_deepseek, save_deepseek_attention
 from qklab.hf.export import export_pretrained, import_pretrained
 from qklab.hf.layers import LayerSpec, QKLayer, find_layers
+from qklab.hf.pretrained import from_pretrained, register, register_when_imported
 
 __all__ = ["apply", "attach", "Attached", "LayerSpec", "QKLayer", "find_layers", "QKCallback", "mla_config",
            "mla_from_deepseek", "load_deepseek_attention", "save_deepseek_attention", "export_pretrained",
-           "import_pretrained"]
+           "import_pretrained", "from_pretrained", "register"]
+
+register_when_imported()
 
 
 def __getattr__(name: str):

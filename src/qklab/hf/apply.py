@@ -39,10 +39,13 @@ per-head keys and values instead of DeepSeek's compressed latent.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import nn
 
+from qklab import __version__
+from qklab.config import from_dict
 from qklab.errors import ConfigError
 from qklab.hf.attention import QKAttentionMixin, QKDeepSeekMixin, use_qklab_attention
 from qklab.methods import CONTROLLERS, METHODS, AttnShape, QKMethod
@@ -52,6 +55,53 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 GATES = ("none", "head", "element")  # qklab's model.attn_gate
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 _SWAPPED: dict[type, type] = {}
+RECORD = "qklab"  # model.config.qklab: what apply did ({"version", "method", "options", "attn_gate", "attn_sink"})
+TWIN_PREFIX = "qklab_"  # a converted model's config.model_type: "qklab_llama", ... (registered by qklab.hf)
+# transformers' config and causal-LM classes of each family, by name (transformers is imported only when used)
+CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+           "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+           "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
+
+
+def model_family(cfg) -> str:
+    """A transformers config's family ("llama", ...), the same for qklab's twin of it ("qklab_llama")."""
+    return getattr(cfg, "model_type", "").removeprefix(TWIN_PREFIX)
+
+
+@functools.cache
+def twin_config(family: str) -> type:
+    """qklab's config class of a family: the family's own, with ``model_type`` "qklab_<family>", so that a
+    saved folder names what it holds and loads only where qklab is registered."""
+    import transformers
+
+    base = getattr(transformers, CLASSES[family][0])
+    return type(f"QK{base.__name__}", (base,), {"model_type": TWIN_PREFIX + family, "__module__": __name__})
+
+
+@functools.cache
+def twin_model(family: str) -> type:
+    """qklab's causal-LM class of a family: the family's own, converted as its config's record says when it
+    is built (``from_pretrained`` builds it, then loads the saved weights into the converted layers)."""
+    import transformers
+
+    base = getattr(transformers, CLASSES[family][1])
+
+    def __init__(self, config, *args, **kwargs):
+        base.__init__(self, config, *args, **kwargs)
+        if getattr(config, RECORD, None):
+            rebuild(self)
+
+    return type(f"QK{base.__name__}", (base,), {"config_class": twin_config(family), "__init__": __init__,
+                                                  "__module__": __name__})
+
+
+def adopt_twin(model: nn.Module) -> None:
+    """Make a converted model and its config qklab's twins of their family (same weights, same forward)."""
+    family = model_family(model.config)
+    if family in CLASSES and not type(model).__name__.startswith("QK"):
+        model.config.__class__ = twin_config(family)
+        model.__class__ = twin_model(family)
 
 
 def method_options(method: str, options: dict, controller: bool = False) -> object:
@@ -146,16 +196,51 @@ def apply(model: nn.Module, method: str = "none", *, attn_gate: str = "none", at
     config or loaded) to ``method`` with the method's ``options`` (e.g. ``cap=30`` for softcap), and add
     qklab's output gate (``attn_gate`` "head" | "element") and per-head sinks (``attn_sink=True``) on
     Llama-style layers. In place; returns the model. Padding masks, ``generate()`` with its cache and all
-    other layers work as before."""
+    other layers work as before.
+
+    What was applied is recorded in ``model.config.qklab`` and the model and its config become qklab's
+    registered twins of their family (``model_type`` "qklab_llama", ...), so ``save_pretrained`` writes a
+    folder that ``qklab.hf.from_pretrained`` (or ``AutoModelForCausalLM`` once ``qklab.hf`` is imported) loads
+    back as the same model, and that transformers without qklab refuses instead of loading a different one.
+    A second method on a model that has one is refused (one line); a gate or sink may be added later."""
     opts = method_options(method, options)
+    before = getattr(model.config, RECORD, None)
+    if before and before["method"] != "none" and method != "none":
+        raise ConfigError(f"this model already has qklab's {before['method']} (model.config.{RECORD}); qklab.hf.apply "
+                          "converts a model once: start from a model without a method to try another")
+    convert(model, method, opts, attn_gate, attn_sink)
+    if method != "none" or attn_gate != "none" or attn_sink:
+        before = before or {"method": "none", "options": {}, "attn_gate": "none", "attn_sink": False}
+        keep = method == "none"
+        setattr(model.config, RECORD, {
+            "version": __version__, "method": before["method"] if keep else method,
+            "options": before["options"] if keep else dataclasses.asdict(opts),
+            "attn_gate": attn_gate if attn_gate != "none" else before["attn_gate"],
+            "attn_sink": attn_sink or before["attn_sink"]})
+        adopt_twin(model)
+    return model
+
+
+def rebuild(model: nn.Module) -> None:
+    """Convert a model built from a config that carries ``config.qklab`` (a folder ``apply`` saved) as ``apply``
+    did, in one pass, before its weights are loaded."""
+    rec = getattr(model.config, RECORD)
+    method = rec["method"]
+    opts = from_dict({**METHODS, **CONTROLLERS}[method].Options, rec.get("options") or {}, f"{RECORD}.{method}.")
+    convert(model, method, opts, rec.get("attn_gate", "none"), bool(rec.get("attn_sink", False)))
+
+
+def convert(model: nn.Module, method: str, opts: object, attn_gate: str = "none", attn_sink: bool = False) -> None:
+    """The conversion ``apply`` makes, with checked options and nothing recorded."""
     cfg = model.config
-    family = getattr(cfg, "model_type", "")
+    family = model_family(cfg)
     _check_gate_sink(attn_gate, attn_sink, family)
     extras = attn_gate != "none" or attn_sink
     if method == "none" and not extras:
-        return model
+        return
     if family in DEEPSEEK:
-        return _apply_deepseek(model, method, opts)
+        _apply_deepseek(model, method, opts)
+        return
     if family not in FAMILIES:
         raise ConfigError(f"qklab.hf.apply supports model types {', '.join(FAMILIES + DEEPSEEK)}; got '{family}'")
     mods = attention_modules(model)
@@ -173,7 +258,6 @@ def apply(model: nn.Module, method: str = "none", *, attn_gate: str = "none", at
         add_gate_sink(mod, H, attn_gate, attn_sink, init_std)
         _swap_class(mod)
     use_qklab_attention(model)
-    return model
 
 
 def _convert(mod: nn.Module, qm: QKMethod, method: str, H: int, Hkv: int, D: int, init_std: float) -> None:
@@ -194,7 +278,7 @@ def _convert(mod: nn.Module, qm: QKMethod, method: str, H: int, Hkv: int, D: int
     mod.qk_method = qm
 
 
-def _apply_deepseek(model: nn.Module, method: str, opts: object) -> nn.Module:
+def _apply_deepseek(model: nn.Module, method: str, opts: object) -> None:
     """MLA layers: the method maps the materialised per-head q, k ([nope | rope], pre-RoPE) as in qklab's
     MLA; methods that change the projection widths (qkmap) are refused there as here."""
     cfg = model.config
@@ -210,4 +294,3 @@ def _apply_deepseek(model: nn.Module, method: str, opts: object) -> nn.Module:
         mod.qk_method = qm.to(device=p.device, dtype=p.dtype)
         _swap_class(mod, QKDeepSeekMixin)
     use_qklab_attention(model)
-    return model
