@@ -4,7 +4,12 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """``qklab.attach`` and ``qklab.hf``, imported on first use (transformers stays optional)."""
+    """``qklab.attach``, ``qklab.load_run`` and ``qklab.hf``, imported on first use (transformers stays
+    optional, ``qklab --version`` imports no torch)."""
+    if name == "load_run":
+        from qklab.rundir.load import load_run
+
+        return load_run
     if name == "attach":
         from qklab.hf.attach import attach
 

@@ -1,6 +1,7 @@
 """Export of a qklab GPT to transformers Llama (none) / Qwen3 (qknorm) folders and import back: logits equal
 to 1e-5 in transformers, generate() from the folder offline equals qklab's greedy decoding, the
-tokenizer keeps its ids, and export -> import -> export is bit-exact."""
+tokenizer keeps its ids, and export -> import -> export is bit-exact. Every other method, gate and sink as
+qklab's twin folder (logits to 1e-5 through qklab.hf); `qklab export RUN --hf` from a trained run."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import qklab.hf  # noqa: E402
 from qklab.config import ModelConfig, QKConfig  # noqa: E402
 from qklab.data.tokenizer import BPETokenizer, ByteTokenizer  # noqa: E402
 from qklab.hf.export import LAYER_KEYS, export_pretrained, import_pretrained  # noqa: E402
+from qklab.methods.qknorm import QKNormOptions  # noqa: E402
 from qklab.methods.softcap import SoftCapOptions  # noqa: E402
 from qklab.model import GPT  # noqa: E402
 
@@ -87,20 +89,76 @@ def test_layer_names_cover_every_parameter():
     assert names == set(LAYER_KEYS)
 
 
-@pytest.mark.parametrize("bad, match", [("softcap", "no transformers equivalent"), ("mla", "MHA/GQA"),
-                                        ("gate", "attn_gate='head' is not supported"),
-                                        ("sink", "attn_sink=true is not supported")])
+@pytest.mark.parametrize("bad, match", [("mla", "MHA/GQA"), ("yarn", "YaRN")])
 def test_export_refuses_what_has_no_equivalent(bad, match, tmp_path):
-    """One line each, before anything is written: a gated or sink model's extra parameters would otherwise
-    be dropped from (or break) the Llama folder."""
-    if bad in ("gate", "sink"):
-        model = GPT(ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_layers=1,
-                                **({"attn_gate": "head"} if bad == "gate" else {"attn_sink": True})))
-    elif bad == "mla":
-        model = GPT(ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_layers=1, attention="mla"))
-    else:
-        model = GPT(ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_layers=1),
-                    QKConfig(method="softcap", options={"softcap": SoftCapOptions(cap=5.0)}))
+    """One line each, before anything is written."""
+    extra = {"attention": "mla"} if bad == "mla" else {"rope_scaling": "yarn", "yarn_factor": 2.0}
+    model = GPT(ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_layers=1, **extra))
     with pytest.raises(ValueError, match=match) as e:
         export_pretrained(model, tmp_path / "out")
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+TWINS = [("softcap", {"softcap": SoftCapOptions(cap=5.0)}, {}), ("qkmap", {}, {}), ("quest", {}, {}),
+         ("ssmax", {}, {}), ("qknorm", {"qknorm": QKNormOptions(p=3.0)}, {}), ("none", {}, {"attn_gate": "head"}),
+         ("none", {}, {"attn_sink": True}), ("qknorm", {}, {"attn_gate": "element", "attn_sink": True})]
+
+
+@pytest.mark.parametrize("method, opts, extra", TWINS, ids=str)
+def test_any_method_exports_as_a_folder_that_loads_back(method, opts, extra, tmp_path):
+    """What no plain Llama/Qwen3 folder holds is exported as the Llama qklab.hf.apply converts (qklab's twin):
+    AutoModelForCausalLM (qklab.hf imported) gives qklab's logits to 1e-5; transformers alone refuses it."""
+    torch.manual_seed(0)
+    ours = GPT(ModelConfig(vocab_size=300, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64,
+                           init_std=0.1, **extra), QKConfig(method=method, options=opts)).eval()
+    with torch.no_grad():  # every parameter away from its initial value (gains, sinks, frequencies)
+        for p in ours.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    export_pretrained(ours, tmp_path, tokenizer=ByteTokenizer())
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True).eval()
+    assert type(theirs).__name__ == "QKLlamaForCausalLM" and theirs.config.qklab["method"] == method
+    x = torch.randint(0, 300, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(x).logits, ours(x)[0], atol=1e-5, rtol=1e-5)
+    assert sorted(k for k in theirs.state_dict() if "qk_method" in k or "attn_gate" in k or "attn_sink" in k) == \
+        sorted(f"model.layers.{k.split('.', 2)[1]}.{_twin_name(k.split('.', 2)[2])}" for k in ours.state_dict()
+               if k.startswith("blocks.") and k.split(".", 2)[2].startswith(("attn.qk.", "attn.wg.", "attn.sink")))
+
+
+def _twin_name(rest: str) -> str:
+    return rest.replace("attn.qk.", "self_attn.qk_method.").replace("attn.wg.", "self_attn.attn_gate.") \
+        .replace("attn.sink", "self_attn.attn_sink")
+
+
+def test_qklab_export_hf_from_a_run(tmp_path, capsys):
+    """`qklab export RUN --hf`: a trained run as a transformers folder with its tokenizer, loading in a fresh
+    process with qklab's logits (qklab.load_run's model) to 1e-5."""
+    import json
+    import subprocess
+    import sys
+
+    import qklab
+    from qklab.cli import main
+
+    sets = ["train.steps=6", "train.eval_every=6", "train.ckpt_every=6", "train.diag_every=0", "train.progress=false",
+            "qk.method=softcap", "qk.softcap.cap=8.0", f"train.out_dir='{tmp_path / 'runs'}'", "train.name=r",
+            f"data.cache_dir='{tmp_path / 'cache'}'"]
+    assert main(["train", "--config", "tiny", *[a for s_ in sets for a in ("--set", s_)]]) == 0
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "runs" / "r"), "--hf", "--out", str(tmp_path / "hf")]) == 0
+    assert "as a transformers folder" in capsys.readouterr().out
+    run = qklab.load_run(tmp_path / "runs" / "r")
+    assert run.step == 6 and isinstance(run.tokenizer, ByteTokenizer) and run.config.qk.method == "softcap"
+    x = torch.tensor([run.tokenizer.encode("def f(x):\n    return x\n")])
+    with torch.no_grad():
+        torch.save({"x": x, "logits": run.model(x)[0]}, tmp_path / "ref.pt")
+    code = ("import sys, torch, qklab.hf\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+            "ref = torch.load(sys.argv[2])\nm = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
+            "tok = AutoTokenizer.from_pretrained(sys.argv[1])\n"
+            "assert tok.encode('def f(x):\\n    return x\\n') == ref['x'][0].tolist()\n"
+            "with torch.no_grad():\n    print((m(ref['x']).logits - ref['logits']).abs().max().item())\n")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "hf"), str(tmp_path / "ref.pt")],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert float(p.stdout.strip()) <= 1e-5
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["qklab"]["options"]["cap"] == 8.0

@@ -86,3 +86,20 @@ def test_written_files_follow_the_umask(tmp_path):
     assert any(f.name == "model.safetensors" for f in files) and len(files) > 5
     assert {f.relative_to(tmp_path).as_posix(): oct(f.stat().st_mode & 0o777) for f in files} == \
         {f.relative_to(tmp_path).as_posix(): "0o664" for f in files}
+
+
+def test_a_bpe_run_keeps_its_tokenizer_and_load_run_reads_it_back(tmp_path):
+    """The run folder holds the tokenizer its tokens came from; ``qklab.load_run`` gives the model of the
+    newest checkpoint (equal to the trainer's), the config and that tokenizer (same ids)."""
+    import qklab
+
+    t = Trainer(_cfg(tmp_path, "bpe", "train.steps=5", "train.ckpt_every=5", "data.tokenizer=bpe",
+                     "data.vocab_size=320"), log=lambda s: None)
+    t.run()
+    run = qklab.load_run(t.run_dir)
+    assert run.step == 5 and run.config.data.tokenizer == "bpe" and run.checkpoint.name == "step_0000005"
+    text = "def f(x):\n    return x + 1\n"
+    assert run.tokenizer.to_json() == t.data.tokenizer.to_json() and run.tokenizer.encode(text) == \
+        t.data.tokenizer.encode(text)
+    ours = dict(t.model.state_dict())
+    assert all(torch.equal(v, ours[k]) for k, v in run.model.state_dict().items()) and not run.model.training

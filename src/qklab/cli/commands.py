@@ -91,6 +91,14 @@ def _export(args: argparse.Namespace) -> int:
 
     src = Path(args.path)
     default = src / "export" if not src.name.startswith("step_") else src.parent.parent / "export"
+    if args.hf:
+        from qklab.hf.export import export_run_pretrained
+
+        out, step, loader = export_run_pretrained(src, args.out or default, args.allow_unverified, warn=_warn)
+        how = ("AutoModelForCausalLM.from_pretrained" if loader == "transformers" else
+               "qklab.hf.from_pretrained (or AutoModelForCausalLM once qklab.hf is imported)")
+        print(f"exported step {step} of {src} as a transformers folder: {out} (load it with {how})")
+        return 0
     out, step = export_run(src, args.out or default, unverified=args.allow_unverified, warn=_warn)
     print(f"exported step {step} of {src}: {out / 'model.safetensors'}")
     return 0
@@ -229,9 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--allow-unverified", action="store_true",
                    help="accept a checkpoint without manifest.json (written before manifests; not checked)")
     r.set_defaults(fn=_probe)
-    x = sub.add_parser("export", help="a run's weights as one model.safetensors (whatever wrote the checkpoint)")
+    x = sub.add_parser("export", help="a run's weights as one model.safetensors (whatever wrote the checkpoint), or a "
+                       "transformers folder (--hf)")
     x.add_argument("path", help="run folder (its newest good checkpoint) or a checkpoint ckpt/step_*")
     x.add_argument("--out", help="folder for model.safetensors and config.json (default: <run>/export)")
+    x.add_argument("--hf", action="store_true",
+                   help="write a transformers folder (config, weights, tokenizer) that from_pretrained loads")
     x.add_argument("--allow-unverified", action="store_true",
                    help="accept a checkpoint without manifest.json (written before manifests; not checked)")
     x.set_defaults(fn=_export)

@@ -1,5 +1,7 @@
 """A qklab GPT to and from a transformers checkpoint folder: Llama (method ``none``) or Qwen3 (``qknorm``,
-whose per-head q/k RMSNorm before RoPE is exactly qklab's QK-Norm).
+whose per-head q/k RMSNorm before RoPE is exactly qklab's QK-Norm), plain folders that transformers loads
+alone; any other method, option, gate or sink as the Llama ``qklab.hf.apply`` converts (a folder of qklab's
+registered twin, loaded by ``AutoModelForCausalLM`` once ``qklab.hf`` is imported). Import reads plain folders.
 
     export_pretrained(model, "out/", tokenizer=tok)     # config.json, model.safetensors, tokenizer files
     AutoModelForCausalLM.from_pretrained("out/")        # offline; generate() works
@@ -10,6 +12,7 @@ Weights keep their values bit for bit both ways; ``LAYER_KEYS`` is the name mapp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -42,39 +45,55 @@ TOP_KEYS = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model
             "lm_head.weight": "lm_head.weight"}
 
 
+def plain_family(model: GPT) -> str | None:
+    """The transformers family whose plain folder holds ``model`` exactly: "llama" (method none) or "qwen3"
+    (QK-Norm with Qwen3's own options); None where the folder needs qklab's twin (any other method or
+    option, a gate, a sink), which ``qklab.hf`` loads."""
+    cfg, q = model.cfg, model.qk_cfg
+    if cfg.attn_gate != "none" or cfg.attn_sink:
+        return None
+    if q.method == "none":
+        return "llama"
+    if q.method == "qknorm" and q.opts("qknorm") == QKNormOptions(eps=cfg.norm_eps):
+        return "qwen3"
+    return None
+
+
 def hf_config(model: GPT):
-    """The transformers config (LlamaConfig or Qwen3Config) of a qklab GPT; refuses what has no equivalent."""
+    """The transformers config of a qklab GPT: Llama or Qwen3 (``plain_family``), else the Llama that
+    ``qklab.hf.apply`` converts to the model's method; refuses what has no equivalent (MLA, YaRN)."""
     import transformers
 
-    cfg, method = model.cfg, model.qk_cfg.method
+    cfg = model.cfg
     if cfg.attention != "mha":
         raise ConfigError("export covers MHA/GQA models; for MLA layers use qklab.hf.deepseek")
-    if method not in FAMILY:
-        raise ConfigError(f"qk.method='{method}' has no transformers equivalent; export none (Llama) or qknorm "
-                         "(Qwen3), or run the method in transformers with qklab.hf.apply")
-    if cfg.attn_gate != "none" or cfg.attn_sink:
-        what = f"model.attn_gate='{cfg.attn_gate}'" if cfg.attn_gate != "none" else "model.attn_sink=true"
-        raise ConfigError(f"export of {what} is not supported: Llama and Qwen3 folders have no attention gate or "
-                         "sink; to train one in transformers, use qklab.hf.apply(model, ..., attn_gate=, attn_sink=)")
     if cfg.rope_scaling != "none":
-        raise ConfigError("export of YaRN RoPE is not supported for Llama/Qwen3 folders")
-    if method == "qknorm" and model.qk_cfg.opts("qknorm").eps != cfg.norm_eps:
-        raise ConfigError(f"Qwen3 uses one eps for every norm: qk.qknorm.eps={model.qk_cfg.opts('qknorm').eps} "
-                         f"must equal model.norm_eps={cfg.norm_eps}")
+        raise ConfigError("export of YaRN RoPE is not supported for transformers folders")
     common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ff_dim,
                   num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
                   head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
                   rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
                   tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, hidden_act="silu",
                   initializer_range=cfg.init_std)
-    if method == "none":
-        return transformers.LlamaConfig(mlp_bias=False, **common)
-    return transformers.Qwen3Config(use_sliding_window=False, **common)
+    if plain_family(model) == "qwen3":
+        return transformers.Qwen3Config(use_sliding_window=False, **common)
+    return transformers.LlamaConfig(mlp_bias=False, **common)
+
+
+# a qklab attention parameter -> its name in a layer qklab.hf.apply converted (the twin folders)
+TWIN_KEYS = {"attn.qk.": "self_attn.qk_method.", "attn.wg.": "self_attn.attn_gate.", "attn.sink": "self_attn.attn_sink"}
+
+
+def _layer_key(rest: str, plain: bool) -> str:
+    if plain or not rest.startswith(tuple(TWIN_KEYS)):
+        return LAYER_KEYS[rest]
+    prefix = next(p for p in TWIN_KEYS if rest.startswith(p))
+    return TWIN_KEYS[prefix] + rest[len(prefix):]
 
 
 def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     """qklab GPT parameters under transformers names (the tied head left out, as transformers saves it)."""
-    sd, out = model.state_dict(), {}
+    sd, out, plain = model.state_dict(), {}, plain_family(model) is not None
     for k, v in sd.items():
         if k in TOP_KEYS:
             if k == "lm_head.weight" and model.cfg.tie_embeddings:
@@ -82,25 +101,44 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
             out[TOP_KEYS[k]] = v
             continue
         _, i, rest = k.split(".", 2)  # blocks.{i}.{rest}
-        out[f"model.layers.{i}.{LAYER_KEYS[rest]}"] = v
+        out[f"model.layers.{i}.{_layer_key(rest, plain)}"] = v
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
 
 def export_pretrained(model: GPT, path: str | Path, tokenizer: BPETokenizer | ByteTokenizer | None = None) -> Path:
-    """Write ``model`` as a transformers Llama/Qwen3 folder: config.json, generation_config.json,
-    model.safetensors and, with ``tokenizer``, the tokenizer files (end-of-text as eos and pad)."""
-    from transformers import GenerationConfig
+    """Write ``model`` as a transformers folder: config.json, generation_config.json, the weights and, with
+    ``tokenizer``, the tokenizer files (end-of-text as eos and pad). A Llama or Qwen3 folder where one holds
+    the model exactly (``plain_family``); otherwise the Llama that ``qklab.hf.apply`` converts to the model's
+    method, gate and sink, saved as qklab's twin (``AutoModelForCausalLM`` loads it once ``qklab.hf`` is
+    imported). Either way the folder's logits are the model's."""
+    import transformers
 
     cfg = hf_config(model)
     out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
     eot = tokenizer.eot_id if tokenizer is not None else None
     cfg.eos_token_id = cfg.pad_token_id = eot
     cfg.bos_token_id = None
-    cfg.save_pretrained(out)
-    GenerationConfig(eos_token_id=eot, pad_token_id=eot).save_pretrained(out)
-    save_file(hf_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
-    follow_umask(out / "model.safetensors")
+    weights = hf_state_dict(model)
+    if plain_family(model) is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        cfg.save_pretrained(out)
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        from qklab.hf.apply import apply
+
+        m, q = model.cfg, model.qk_cfg
+        hf = transformers.LlamaForCausalLM(cfg)
+        apply(hf, q.method, attn_gate=m.attn_gate, attn_sink=m.attn_sink,
+              **(dataclasses.asdict(q.opts(q.method)) if q.method != "none" else {}))
+        missing, unexpected = hf.load_state_dict(weights, strict=False)
+        if unexpected or set(missing) - ({"lm_head.weight"} if m.tie_embeddings else set()):
+            raise ConfigError(f"export: the converted Llama does not take the model's weights (missing "
+                              f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
+        out.mkdir(parents=True, exist_ok=True)
+        hf.save_pretrained(out)
+    for f in out.glob("model*.safetensors"):
+        follow_umask(f)
+    transformers.GenerationConfig(eos_token_id=eot, pad_token_id=eot).save_pretrained(out)
     if tokenizer is not None:
         hf_tokenizer(tokenizer).save_pretrained(out)
     return out
@@ -187,3 +225,18 @@ def import_pretrained(path: str | Path) -> tuple[GPT, BPETokenizer | None]:
     tok_file = folder / "tokenizer.json"  # a byte tokenizer comes back as an equivalent BPE (same ids)
     tok = BPETokenizer.load(tok_file) if tok_file.is_file() else None
     return model.eval(), tok
+
+
+def export_run_pretrained(path: str | Path, out: str | Path, unverified: bool = False,
+                          warn=None) -> tuple[Path, int, str]:
+    """``qklab export RUN --hf``: a run folder (or checkpoint) as a transformers folder that loads in a fresh
+    process, with the run's tokenizer where the run folder holds it; returns the folder, the checkpoint's step
+    and what loads it ("transformers" for a plain Llama/Qwen3 folder, "qklab.hf" for a twin)."""
+    from qklab.rundir.load import load_run
+
+    run = load_run(path, unverified=unverified, warn=warn)
+    if run.tokenizer is None and warn is not None:
+        warn(f"warning: {path} holds no tokenizer.json (a run from before run folders kept it): the folder has "
+             "no tokenizer files")
+    export_pretrained(run.model, out, tokenizer=run.tokenizer)
+    return Path(out), run.step, "transformers" if plain_family(run.model) else "qklab.hf"

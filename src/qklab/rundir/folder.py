@@ -15,9 +15,10 @@ from pathlib import Path
 from qklab.errors import ConfigError, RunLockError
 
 LOCK = ".lock"
+TOKENIZER = "tokenizer.json"  # a BPE run's tokenizer (tokenizers' JSON); a bytes run has none (its config says so)
 # what a run folder may hold; --overwrite refuses to delete a folder holding anything else
-RUN_FILES = {LOCK, "config.json", "metrics.jsonl", "train.log", "ckpt", "probes.json", "probes", "tb", "wandb",
-             "cell.json", "probe", "export"}  # probe: a study cell's probes of its final checkpoint
+RUN_FILES = {LOCK, "config.json", TOKENIZER, "metrics.jsonl", "train.log", "ckpt", "probes.json", "probes", "tb",
+             "wandb", "cell.json", "probe", "export"}  # probe: a study cell's probes of its final checkpoint
 
 
 class RunLock:
@@ -45,7 +46,7 @@ class RunLock:
 
 
 def _is_run_file(name: str) -> bool:
-    return name in RUN_FILES or name.startswith(("probe_", ".config.json.", ".metrics.jsonl."))
+    return name in RUN_FILES or name.startswith(("probe_", ".config.json.", ".metrics.jsonl.", f".{TOKENIZER}."))
 
 
 def clear_run_folder(run_dir: Path, dry_run: bool = False) -> None:

@@ -86,3 +86,34 @@ def load_model(cfg: RunConfig, ckpt: Path, device: torch.device,
     except (RuntimeError, KeyError, OSError) as e:
         raise RunFolderError(f"{ckpt}: weights do not match the run's config ({str(e).splitlines()[0]})") from None
     return model.to(device).eval(), int(state.get("step", 0))
+
+
+@dataclass
+class LoadedRun:
+    """A trained run read back: its model (eval mode) with the weights of ``step``, its config, and its
+    tokenizer (None for a BPE run written before run folders kept ``tokenizer.json``)."""
+
+    model: torch.nn.Module
+    config: RunConfig
+    step: int
+    tokenizer: object | None
+    checkpoint: Path
+
+
+def load_run(path: str | Path, device: str | torch.device = "cpu", unverified: bool = False,
+             warn=None) -> LoadedRun:
+    """``qklab.load_run("runs/x")``: the newest checkpoint that verifies of a run folder (or the checkpoint
+    named) as a qklab ``GPT``, with its config and tokenizer; weights and config are checked as ``qklab
+    probe`` checks them (one-line ``UserError`` for a folder that is no run, a damaged or unsafe checkpoint)."""
+    from qklab.data.tokenizer import BPETokenizer, ByteTokenizer
+    from qklab.rundir.folder import TOKENIZER
+
+    target = resolve_target(path, warn=warn, unverified=unverified)
+    cfg = load_run_config(target, unverified)
+    model, step = load_model(cfg, target.ckpt, torch.device(device), unverified)
+    tokenizer = None
+    if cfg.data.tokenizer == "bytes":
+        tokenizer = ByteTokenizer()
+    elif target.run_dir is not None and (target.run_dir / TOKENIZER).is_file():
+        tokenizer = BPETokenizer.load(target.run_dir / TOKENIZER)
+    return LoadedRun(model, cfg, step, tokenizer, target.ckpt)

@@ -30,7 +30,7 @@ from qklab.model import GPT
 from qklab.model.flex import causal_block_mask
 from qklab.parallel import DistContext
 from qklab.parallel.strategy import strategy
-from qklab.rundir.folder import FollowerFolder, RunFolder
+from qklab.rundir.folder import TOKENIZER, FollowerFolder, RunFolder
 from qklab.rundir.metrics import MetricsLog, NoMetrics
 from qklab.train.checkpointer import Checkpointer
 from qklab.train.evaluate import eval_loss, max_attention_logits
@@ -180,6 +180,8 @@ class Trainer:
                 "versions": versions(), "n_params": self.model.num_params(), "device": str(self.device),
                 "machines": machines(before, self.step, self.device)}
         atomic_write_text(self.run_dir / "config.json", json.dumps(info, indent=2) + "\n")
+        if hasattr(self.data.tokenizer, "to_json"):  # the run folder carries what reads its tokens back
+            atomic_write_text(self.run_dir / TOKENIZER, self.data.tokenizer.to_json())
 
     def _log_line(self, msg: str, echo: bool = True) -> None:
         """A line kept in the run's log (train.log), and shown to the user too when ``echo``."""
