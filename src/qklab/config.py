@@ -4,16 +4,20 @@ Every mistake a user can make in a config (unknown key, wrong type, impossible s
 missing data) raises ``ConfigError`` with one line that names the key and says how to fix it.
 
 What is known about a key sits on its field: a ``typing.Literal`` type lists its choices, and the
-field's metadata (see ``_key``) its valid range, whether it is neutral (does not change what a run
-computes: a study's cell hash leaves it out) and whether it is resumable (may change on resume).
+field's metadata (see ``_key``) its meaning, its valid range, whether it is neutral (does not change what
+a run computes: a study's cell hash leaves it out) and whether it is resumable (may change on resume).
+``qklab config`` and docs/config.md (``keys_markdown``) list every key from there.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import json
 import math
 import re
+import textwrap
 import tomllib
 import types
 import typing
@@ -52,13 +56,16 @@ def _above(lo: float, note: str = "") -> Range:
     return (lambda v: v > lo), f"> {lo}{note}"
 
 
-def _key(default: Any = dataclasses.MISSING, rng: Range | None = None, *, factory: Any = dataclasses.MISSING,
-         neutral: bool = False, resumable: bool = False) -> Any:
+def _key(default: Any = dataclasses.MISSING, rng: Range | None = None, *, doc: str, allowed: str = "",
+         factory: Any = dataclasses.MISSING, neutral: bool = False, resumable: bool = False) -> Any:
     """A config field and what is known about it, in its metadata:
+    doc: its meaning in one line (``qklab config``, docs/config.md);
     range: (check, text), the valid values (types are checked on loading, non-finite floats refused);
+    allowed: the valid values as text, where a rule across keys checks them (``validate``, ``check_model``);
     neutral: does not change what a run computes (where it writes, how it shows progress, its threads);
     resumable: may differ between a run and its resumption (see ``RESUMABLE``)."""
-    meta = {k: v for k, v in (("range", rng), ("neutral", neutral), ("resumable", resumable)) if v}
+    meta = {k: v for k, v in (("doc", doc), ("range", rng), ("allowed", allowed), ("neutral", neutral),
+                              ("resumable", resumable)) if v}
     return field(default=default, default_factory=factory, metadata=meta)
 
 
@@ -67,37 +74,52 @@ _MLA_WIDTH = _at_least(0, " (0: the default)")
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = _key(0, _at_least(0, " (0: the tokenizer's vocabulary)"))  # 0: taken from the tokenizer
-    d_model: int = _key(256, _above(0))
-    n_layers: int = _key(4, _above(0))
-    n_heads: int = _key(4, _above(0))
-    n_kv_heads: int = _key(0, _at_least(0, " (0: same as n_heads)"))  # 0: same as n_heads (MHA); fewer: GQA
-    d_ff: int = _key(0, _at_least(0, " (0: 8/3 * d_model)"))  # SwiGLU width; 0: 8/3 * d_model rounded up to 64s
-    max_seq_len: int = _key(1024, _above(1))  # RoPE tables and the KV cache are sized from this
-    rope_theta: float = _key(10000.0, _above(0, ", e.g. 10000"))
-    tie_embeddings: bool = True
-    norm_eps: float = _key(1e-6, _above(0, ", e.g. 1e-6"))
-    init_std: float = _key(0.02, _above(0, ", e.g. 0.02"))
-    # std of W_Q/W_K for every QK method (a fair comparison); 0: the method's own rule
-    qk_init_std: float = _key(0.0, _at_least(0, " (0: the QK method's own init rule), e.g. 1/sqrt(d_model)"))
-    attn_impl: Literal["auto", "sdpa", "eager"] = "auto"
-    attention: Literal["mha", "mla"] = "mha"  # mha (MHA/GQA, see n_kv_heads) | mla (latent attention, docs/mla.md)
-    # gated attention (arXiv 2505.06708): each head's output times sigmoid(W_g x), x the block's normalised
-    # input, before W_O; head: one gate per head, element: one per output feature; none: no gate
-    attn_gate: Literal["none", "head", "element"] = "none"
-    attn_sink: bool = False  # a learnable per-head logit in the softmax denominator (gpt-oss's sinks)
-    q_rank: int = _key(0, _MLA_WIDTH)  # MLA query latent width; 0: no query latent (queries from x)
-    kv_rank: int = _key(0, _MLA_WIDTH)  # MLA key/value latent width; 0: 2 * head_dim
-    nope_dim: int = _key(0, _MLA_WIDTH)  # MLA per-head q/k width without RoPE; 0: head_dim
-    rope_dim: int = _key(0, _MLA_WIDTH)  # MLA per-head q/k width with RoPE (= the shared rope key's); 0: head_dim // 2
-    v_dim: int = _key(0, _MLA_WIDTH)  # MLA per-head value width; 0: head_dim
-    rope_scaling: Literal["none", "yarn"] = "none"  # yarn: YaRN context extension, as DeepSeek-V2/V3 (rope.Yarn)
-    yarn_factor: float = 1.0  # YaRN: context extension factor (> 1)
-    yarn_original_max_len: int = 0  # YaRN: the context the frequencies were made for; 0: max_seq_len / yarn_factor
-    yarn_beta_fast: float = 32.0
-    yarn_beta_slow: float = 1.0
-    yarn_mscale: float = 0.0  # 0: unset (see Yarn)
-    yarn_mscale_all_dim: float = 0.0  # 0: unset; else MLA's softmax scale gets mscale(factor, this)^2
+    """The GPT: its shape, its attention and its positions."""
+
+    vocab_size: int = _key(0, _at_least(0, " (0: the tokenizer's vocabulary)"),
+                           doc="tokens the embedding and the head cover; 0: taken from the tokenizer")
+    d_model: int = _key(256, _above(0), doc="width of the residual stream")
+    n_layers: int = _key(4, _above(0), doc="transformer blocks")
+    n_heads: int = _key(4, _above(0), doc="query heads per layer (they divide d_model; head_dim = d_model / n_heads)")
+    n_kv_heads: int = _key(0, _at_least(0, " (0: same as n_heads)"),
+                           doc="key/value heads: 0, the same as n_heads (MHA); fewer, dividing n_heads: GQA")
+    d_ff: int = _key(0, _at_least(0, " (0: 8/3 * d_model)"),
+                     doc="SwiGLU width; 0: 8/3 * d_model rounded up to 64s")
+    max_seq_len: int = _key(1024, _above(1), doc="longest context: RoPE tables and the KV cache are sized from this")
+    rope_theta: float = _key(10000.0, _above(0, ", e.g. 10000"), doc="RoPE base: pair i turns by "
+                                                                     "theta^(-2i/head_dim) radians a position")
+    tie_embeddings: bool = _key(True, doc="the output head shares the token embedding's weights")
+    norm_eps: float = _key(1e-6, _above(0, ", e.g. 1e-6"), doc="epsilon of the RMSNorms")
+    init_std: float = _key(0.02, _above(0, ", e.g. 0.02"), doc="std of the normal init of the weight matrices")
+    qk_init_std: float = _key(0.0, _at_least(0, " (0: the QK method's own init rule), e.g. 1/sqrt(d_model)"),
+                              doc="std of W_Q/W_K for every QK method (a fair comparison); 0: the method's own rule")
+    attn_impl: Literal["auto", "sdpa", "eager"] = _key(
+        "auto", doc="attention kernel: auto, fused unless the method rewrites logits; sdpa, fused only; eager")
+    attention: Literal["mha", "mla"] = _key("mha", doc="mha: MHA/GQA (see n_kv_heads); mla: latent attention "
+                                                       "(docs/mla.md)")
+    attn_gate: Literal["none", "head", "element"] = _key(
+        "none", doc="gated attention (arXiv 2505.06708): each head's output times sigmoid(W_g x), x the block's "
+                    "normalised input, before W_O; head: a gate per head, element: one per output feature")
+    attn_sink: bool = _key(False, doc="a learnable per-head logit in the softmax denominator (gpt-oss's sinks)")
+    q_rank: int = _key(0, _MLA_WIDTH, doc="MLA query latent width; 0: no query latent (queries from x)")
+    kv_rank: int = _key(0, _MLA_WIDTH, doc="MLA key/value latent width; 0: 2 * head_dim")
+    nope_dim: int = _key(0, _MLA_WIDTH, doc="MLA per-head q/k width without RoPE; 0: head_dim")
+    rope_dim: int = _key(0, _MLA_WIDTH, doc="MLA per-head q/k width with RoPE (= the shared rope key's); "
+                                            "0: head_dim // 2")
+    v_dim: int = _key(0, _MLA_WIDTH, doc="MLA per-head value width; 0: head_dim")
+    rope_scaling: Literal["none", "yarn"] = _key("none", doc="yarn: YaRN context extension, as DeepSeek-V2/V3 "
+                                                             "(rope.Yarn)")
+    yarn_factor: float = _key(1.0, doc="YaRN: context extension factor", allowed="> 1 (with rope_scaling=yarn)")
+    yarn_original_max_len: int = _key(0, doc="YaRN: the context the frequencies were made for; 0: max_seq_len / "
+                                             "yarn_factor", allowed=">= 0")
+    yarn_beta_fast: float = _key(32.0, doc="YaRN: pairs turning more often than this over the original context keep "
+                                           "their frequency", allowed="> 0 (and > yarn_beta_slow)")
+    yarn_beta_slow: float = _key(1.0, doc="YaRN: pairs turning less often than this are fully interpolated",
+                                 allowed="> 0 (and < yarn_beta_fast)")
+    yarn_mscale: float = _key(0.0, doc="YaRN: 0, unset; with yarn_mscale_all_dim, the tables' attention factor is "
+                                       "mscale(factor, this) / mscale(factor, yarn_mscale_all_dim)")
+    yarn_mscale_all_dim: float = _key(0.0, doc="YaRN: 0, unset; else MLA's softmax scale gets "
+                                               "mscale(factor, this)^2")
 
     @property
     def mla_dims(self) -> MLADims:
@@ -121,10 +143,13 @@ class ModelConfig:
 
 @dataclass
 class QKConfig:
-    method: str = "none"  # forward-side method, see qklab.methods.METHODS
-    controller: str = "none"  # optimizer-side controller, see qklab.methods.CONTROLLERS
-    # per-method options, keyed by method name: [qk.softcap] cap = 30.0 -> {"softcap": SoftCapOptions}
-    options: dict[str, Any] = field(default_factory=dict)
+    """The QK method and controller; the options of each in its own section, qk.<name>."""
+
+    method: str = _key("none", doc="forward-side QK method (qklab.methods.METHODS)", allowed=" | ".join(METHODS))
+    controller: str = _key("none", doc="optimizer-side QK controller (qklab.methods.CONTROLLERS)",
+                           allowed=" | ".join(CONTROLLERS))
+    options: dict[str, Any] = _key(factory=dict, doc="the options of each method and controller, keyed by its name: "
+                                                     "[qk.softcap] cap = 30.0 -> {'softcap': SoftCapOptions}")
 
     def __post_init__(self) -> None:
         """From Python as from TOML: unknown names are one ``ConfigError`` line, and options given as a dict
@@ -156,60 +181,81 @@ Tracker = Literal["tensorboard", "wandb"]  # train.trackers: also log to these (
 
 @dataclass
 class TrainConfig:
+    """How a run trains: its length, batches, optimizer and schedule, and where and how often it evaluates,
+    saves, logs and measures."""
+
     # resumable: may differ between a run and its resumption: its length, how often it logs, evaluates and
     # saves, where and on what it runs, and the remedies a non-finite stop suggests (lr, clipping, skipping)
-    name: str = _key("", neutral=True, resumable=True)  # run folder name under out_dir; "": from preset, method, seed
-    out_dir: str = _key("runs", neutral=True, resumable=True)
-    seed: int = _key(0, (lambda v: 0 <= v <= 2**32 - 1, "from 0 to 2**32 - 1"))
-    data_seed: int = -1  # order of the training batches; -1: train.seed (a study fixes it across cells)
-    trackers: list[Tracker] = _key(factory=list, resumable=True)
-    steps: int = _key(200, _above(0), resumable=True)
-    batch_size: int = _key(16, _above(0))
-    seq_len: int = _key(256, _above(1))
-    grad_accum: int = _key(1, _above(0))
-    optimizer: Literal["adamw", "muon"] = "adamw"
-    lr: float = _key(3e-3, _above(0, ", e.g. 3e-3"), resumable=True)  # peak lr (Muon: for the hidden matrices)
-    adam_lr: float = _key(0.0, _at_least(0, " (0: train.lr)"))  # Muon only: of the AdamW groups (embeddings, head)
-    weight_decay: float = _key(0.1, _at_least(0))
-    beta1: float = _key(0.9, _between(0, 1, hi_open=True, note=", e.g. 0.9"))
-    beta2: float = _key(0.95, _between(0, 1, hi_open=True, note=", e.g. 0.95"))
-    muon_momentum: float = _key(0.95, _between(0, 1, hi_open=True, note=", e.g. 0.95"))
-    # Muon only: Newton-Schulz per attention head on W_Q, W_K (qkv: and W_V; MLA: the per-head up-projections)
-    muon_per_head: Literal["none", "qk", "qkv"] = "none"
-    schedule: Literal["cosine", "constant"] = "cosine"  # both after a linear warmup
-    warmup_steps: int = _key(20, _at_least(0))
-    min_lr_ratio: float = _key(0.1, _between(0, 1))
-    grad_clip: float = _key(1.0, _at_least(0, " (0: off)"), resumable=True)
-    eval_every: int = _key(50, _above(0, " (steps between evaluations)"), resumable=True)
-    eval_batches: int = _key(8, _above(0), resumable=True)
-    ckpt_every: int = _key(100, _at_least(0, " (0: only at the end)"), resumable=True)
-    keep_ckpts: int = _key(2, _above(0), resumable=True)
-    log_every: int = _key(10, _above(0, " (steps between metric records)"), resumable=True)
-    dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast, for GPUs
-    compile: bool = _key(False, resumable=True)
-    device: Literal["auto", "cpu", "cuda"] = _key("auto", resumable=True)
-    threads: int = _key(0, _at_least(0, " (0: torch's default)"), neutral=True, resumable=True)  # torch intra-op
-    progress: bool = _key(True, neutral=True, resumable=True)
-    diag_every: int = _key(50, _at_least(0, " (0: off)"), resumable=True)  # attention diagnostics (fixed batch)
-    diag_batch: int = _key(4, _above(0), resumable=True)  # sequences (of seq_len tokens) in the diagnostics batch
-    nonfinite: Literal["stop", "skip"] = _key("stop", resumable=True)  # on a non-finite loss or gradient: end
-    # the run, or do not apply the step; with skip, a run that skips more than skip_limit of its steps fails
-    skip_limit: float = _key(0.1, _between(0, 1, note=", e.g. 0.1"), resumable=True)
-    # data parallel over the processes torchrun starts (qklab.parallel); the same global batch on another
-    # number of processes continues the same run
-    parallel: Literal["none", "ddp", "fsdp"] = _key("none", resumable=True)
-    # full (safetensors, gathered on rank 0) | sharded (DCP, each rank its shards) | auto: sharded under
-    # FSDP2 on 2+ processes, else full; either kind resumes on any number of processes, as the other
-    ckpt_format: Literal["auto", "full", "sharded"] = _key("auto", neutral=True, resumable=True)
+    name: str = _key("", doc='run folder name under out_dir (a plain folder name); "": from preset, method, seed',
+                     neutral=True, resumable=True)
+    out_dir: str = _key("runs", doc="folder that holds the run folders", neutral=True, resumable=True)
+    seed: int = _key(0, _between(0, 2**32 - 1), doc="seed of the initial weights (and of the batches, see data_seed)")
+    data_seed: int = _key(-1, doc="order of the training batches; -1: train.seed (a study fixes it across cells)",
+                          allowed=">= -1 (-1: train.seed)")
+    trackers: list[Tracker] = _key(factory=list, doc="also log to these (wandb offline)", resumable=True)
+    steps: int = _key(200, _above(0), doc="optimizer steps of the run", resumable=True)
+    batch_size: int = _key(16, _above(0), doc="sequences per micro-batch on each process")
+    seq_len: int = _key(256, _above(1), doc="tokens per training sequence (at most model.max_seq_len)")
+    grad_accum: int = _key(1, _above(0), doc="micro-batches whose gradients make one step")
+    optimizer: Literal["adamw", "muon"] = _key("adamw", doc="muon: Muon on the hidden matrices, AdamW on the rest")
+    lr: float = _key(3e-3, _above(0, ", e.g. 3e-3"), doc="peak learning rate (Muon: of the hidden matrices)",
+                     resumable=True)
+    adam_lr: float = _key(0.0, _at_least(0, " (0: train.lr)"),
+                          doc="Muon only: learning rate of the AdamW groups (embeddings, head)")
+    weight_decay: float = _key(0.1, _at_least(0), doc="decoupled weight decay")
+    beta1: float = _key(0.9, _between(0, 1, hi_open=True, note=", e.g. 0.9"), doc="AdamW's first-moment decay")
+    beta2: float = _key(0.95, _between(0, 1, hi_open=True, note=", e.g. 0.95"), doc="AdamW's second-moment decay")
+    muon_momentum: float = _key(0.95, _between(0, 1, hi_open=True, note=", e.g. 0.95"), doc="Muon's momentum")
+    muon_per_head: Literal["none", "qk", "qkv"] = _key(
+        "none", doc="Muon only: Newton-Schulz per attention head on W_Q, W_K (qkv: and W_V; MLA: the per-head "
+                    "up-projections)")
+    schedule: Literal["cosine", "constant"] = _key("cosine", doc="learning rate after a linear warmup")
+    warmup_steps: int = _key(20, _at_least(0), doc="steps of the linear warmup")
+    min_lr_ratio: float = _key(0.1, _between(0, 1), doc="cosine: the last step's lr as a share of the peak")
+    grad_clip: float = _key(1.0, _at_least(0, " (0: off)"), doc="largest global gradient norm", resumable=True)
+    eval_every: int = _key(50, _above(0), doc="steps between evaluations",
+                           resumable=True)
+    eval_batches: int = _key(8, _above(0), doc="held-out batches per evaluation", resumable=True)
+    ckpt_every: int = _key(100, _at_least(0, " (0: only at the end)"), doc="steps between checkpoints",
+                           resumable=True)
+    keep_ckpts: int = _key(2, _above(0), doc="newest checkpoints kept", resumable=True)
+    log_every: int = _key(10, _above(0), doc="steps between metric records",
+                          resumable=True)
+    dtype: Literal["fp32", "bf16"] = _key("fp32", doc="bf16: autocast, for GPUs")
+    compile: bool = _key(False, doc="torch.compile the model", resumable=True)
+    device: Literal["auto", "cpu", "cuda"] = _key("auto", doc="auto: cuda where there is one, else cpu",
+                                                  resumable=True)
+    threads: int = _key(0, _at_least(0, " (0: torch's default)"), doc="torch intra-op CPU threads", neutral=True,
+                        resumable=True)
+    progress: bool = _key(True, doc="show a progress bar (a line a minute without a terminal)", neutral=True,
+                          resumable=True)
+    diag_every: int = _key(50, _at_least(0, " (0: off)"), doc="steps between attention diagnostics (fixed batch)",
+                           resumable=True)
+    diag_batch: int = _key(4, _above(0), doc="sequences (of seq_len tokens) in the diagnostics batch",
+                           resumable=True)
+    nonfinite: Literal["stop", "skip"] = _key(
+        "stop", doc="on a non-finite loss or gradient: end the run, or do not apply the step", resumable=True)
+    skip_limit: float = _key(0.1, _between(0, 1, note=", e.g. 0.1"),
+                             doc="with nonfinite=skip, a run that skips more than this share of its steps fails",
+                             resumable=True)
+    parallel: Literal["none", "ddp", "fsdp"] = _key(
+        "none", doc="data parallel over the processes torchrun starts (qklab.parallel); the same global batch on "
+                    "another number of processes continues the same run", resumable=True)
+    ckpt_format: Literal["auto", "full", "sharded"] = _key(
+        "auto", doc="full: safetensors gathered on rank 0; sharded: DCP, each rank its shards; auto: sharded under "
+                    "FSDP2 on 2+ processes, else full; either resumes on any number of processes", neutral=True,
+        resumable=True)
 
 
 @dataclass
 class RunConfig:
+    """A run's whole configuration: its sections and the preset it started from."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     qk: QKConfig = field(default_factory=QKConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    preset: str = _key("", resumable=True)
+    preset: str = _key("", doc="the preset the run's config started from (a preset file's name)", resumable=True)
 
     def validate(self) -> RunConfig:
         m, t, q = self.model, self.train, self.qk
@@ -308,13 +354,9 @@ def check_run_name(name: str, key: str = "train.name", allow_empty: bool = False
     return name
 
 
-# DataConfig lives in qklab.data (its own validation): what the study and resume logic know of its keys
-_DATA_FLAGS = {"cache_dir": ("neutral", "resumable")}
-
-
 def _keys_with(flag: str) -> frozenset[str]:
     """The dotted keys (``train.steps``, ``preset``) whose field metadata sets ``flag``."""
-    out = {f"data.{k}" for k, flags in _DATA_FLAGS.items() if flag in flags}
+    out: set[str] = set()
     for f in dataclasses.fields(RunConfig):
         sub = _hints(RunConfig)[f.name]
         if dataclasses.is_dataclass(sub):
@@ -353,6 +395,175 @@ def resume_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     (added or removed by another version of qklab) are not compared."""
     a, b = _flat(saved), _flat(now)
     return [f"{k} {a[k]!r} -> {b[k]!r}" for k in sorted(a.keys() & b.keys()) if k not in RESUMABLE and a[k] != b[k]]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the keys as ``qklab config`` and docs/config.md show them, read off the fields
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """One config key: its type, value, valid values and meaning, from its field's type and metadata."""
+
+    key: str  # dotted, as --set takes it: model.d_model, qk.softcap.cap, preset
+    section: str  # model, qk, qk.softcap, data, train; "" at the top level
+    type: str  # int, float, bool, str, list[str]
+    value: Any  # the default, or a preset's value
+    default: Any
+    allowed: str  # the valid values: "> 0", "auto | sdpa | eager"; "": any value of its type
+    doc: str  # the meaning, one line
+    neutral: bool = False
+    resumable: bool = False
+
+
+def config_keys(preset: str | None = None) -> list[KeyInfo]:
+    """Every key of a run config, section by section (the options of each method and controller after
+    ``qk``), with its default or, given a preset (name or TOML path), the preset's value."""
+    keys = _keys_of("", RunConfig())
+    if preset:
+        keys = [dataclasses.replace(k, value=v.value) for k, v in zip(keys, _keys_of("", load_config(preset)),
+                                                                      strict=True)]
+    return keys
+
+
+def _keys_of(section: str, obj: Any) -> list[KeyInfo]:
+    out: list[KeyInfo] = []
+    for f in dataclasses.fields(obj):
+        key, tp, value = f"{section}.{f.name}".lstrip("."), _hints(type(obj))[f.name], getattr(obj, f.name)
+        if dataclasses.is_dataclass(tp):
+            out += _keys_of(key, value)
+        elif isinstance(obj, QKConfig) and f.name == "options":  # the keys qk.<name>.<option>
+            out += [k for name in {**METHODS, **CONTROLLERS} for k in _keys_of(f"qk.{name}", obj.opts(name))]
+        else:
+            m = f.metadata
+            out.append(KeyInfo(key, section, _type_text(tp), value, value, _allowed_text(tp, m), m.get("doc", ""),
+                               bool(m.get("neutral")), bool(m.get("resumable"))))
+    return out
+
+
+def _type_text(tp: Any) -> str:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is Literal:
+        return type(args[0]).__name__
+    if typing.get_origin(tp) is list:
+        return f"list[{_type_text(args[0])}]"
+    return tp.__name__
+
+
+def _allowed_text(tp: Any, meta: typing.Mapping[str, Any]) -> str:
+    if "range" in meta:
+        return meta["range"][1]
+    if "allowed" in meta:
+        return meta["allowed"]
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(typing.get_args(tp))
+    if typing.get_origin(tp) is list and typing.get_origin(typing.get_args(tp)[0]) is Literal:
+        return "distinct, from " + " | ".join(typing.get_args(typing.get_args(tp)[0]))
+    return ""
+
+
+def toml_value(v: Any) -> str:
+    """A value as TOML writes it and ``--set`` reads it back: "runs", 0.003, true, ["wandb"]."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list | tuple):
+        return f"[{', '.join(map(toml_value, v))}]"
+    return repr(v)
+
+
+def select_keys(keys: list[KeyInfo], prefixes: list[str]) -> list[KeyInfo]:
+    """The keys that start with one of ``prefixes`` (all keys without any); a prefix that starts none is a
+    ``ConfigError`` listing the sections."""
+    for p in prefixes:
+        if not any(k.key.startswith(p) for k in keys):
+            sections = ", ".join(dict.fromkeys(k.section or k.key for k in keys))
+            raise ConfigError(f"no config key starts with '{p}'; give a section ({sections}) or the start of a key, "
+                              "e.g. qklab config train.lr")
+    return [k for k in keys if not prefixes or any(k.key.startswith(p) for p in prefixes)]
+
+
+def section_doc(section: str) -> str:
+    """One line on a section: its dataclass's first sentence, or which method or controller it sets."""
+    if not section:
+        return "Keys outside any section."
+    if section.startswith("qk."):
+        name = section[3:]
+        return f"Options of qk.{'method' if name in METHODS else 'controller'}={name}."
+    doc = " ".join((_hints(RunConfig)[section].__doc__ or "").split())
+    return doc.split(". ")[0].rstrip(".") + "."
+
+
+def _flags(k: KeyInfo) -> str:
+    return ", ".join(f for f, on in (("neutral", k.neutral), ("resumable", k.resumable)) if on)
+
+
+def keys_text(keys: list[KeyInfo]) -> str:
+    """What ``qklab config`` prints: a line per section, then a line per key: ``key = value``, its type,
+    valid values and flags, its meaning (and its default, where a preset's value differs)."""
+    lines: list[str] = []
+    for section, group in itertools.groupby(keys, lambda k: k.section):
+        rows = [(f"{k.key} = {toml_value(k.value)}",
+                 ", ".join(filter(None, (k.type, k.allowed))) + (f"; {_flags(k)}" if _flags(k) else ""),
+                 k.doc + (f" (default {toml_value(k.default)})" if k.value != k.default else ""))
+                for k in group]
+        w1, w2 = (min(max(len(r[i]) for r in rows), cap) for i, cap in ((0, 36), (1, 40)))
+        lines += [*([""] if lines else []), f"[{section or 'top level'}] {section_doc(section)}"]
+        lines += [f"  {a:<{w1}}  {b:<{w2}}  {c}" for a, b, c in rows]
+    return "\n".join(lines) + "\n"
+
+
+REFERENCE = "docs/config.md"  # the page keys_markdown writes, kept in step by a test
+
+
+def keys_markdown(keys: list[KeyInfo], preset: str | None = None) -> str:
+    """docs/config.md: a table per section (key, type, default and a preset's value, valid values,
+    meaning), then the neutral and the resumable keys."""
+    made_by = "qklab config --markdown" + (f" --preset {preset}" if preset else "")
+    prose = [f"Generated by `{made_by}` from the config dataclasses (`qklab/config.py`, `DataConfig` in "
+           "`qklab/data/config.py`, the `Options` of each method in `qklab/methods/`): their types and the "
+           "metadata of their fields. Do not edit it by hand: change the fields, then run "
+           f"`qklab config --markdown > {REFERENCE}`; `tests/test_config_keys.py` fails while this page is out "
+           "of step with the code. In a terminal, `qklab config [PREFIX ...] [--preset NAME]` prints the same "
+           "keys, e.g. `qklab config train` or `qklab config qk.softcap --preset tiny`.",
+             "A key is set in a preset's TOML file under its section (`[train]` then `lr = 1e-3`; a method's "
+           "options under `[qk.<method>]`) or with `--set`: `qklab train --set train.lr=1e-3`. Types and valid "
+           "values are checked when a config loads; a wrong value is one line naming the key (exit code 2)."]
+    prose += [f"The column `{preset}` holds the values of that preset."] if preset else []
+    out = ["# Config keys", ""] + [line for text in prose for line in (_fill(text), "")]
+    for section, group in itertools.groupby(keys, lambda k: k.section):
+        out += [f"## {section or 'top level'}", "", _cell(section_doc(section)), "",
+                f"| key | type | default |{f' {preset} |' if preset else ''} allowed | meaning |",
+                f"| --- | --- | --- |{' --- |' if preset else ''} --- | --- |"]
+        out += [f"| `{k.key}` | {_cell(k.type)} | {_code(toml_value(k.default))} |"
+                + (f" {_code(toml_value(k.value))} |" if preset else "")
+                + f" {_cell(k.allowed)} | {_cell(k.doc)} |" for k in group]
+        out.append("")
+    out += ["## Neutral and resumable keys", "",
+            _fill("Neutral keys do not change what a run computes (where it writes, how it shows progress, "
+                          "its threads): a study cell's hash leaves them out. Resumable keys may differ between a "
+                          "run and its resumption (`qklab train --resume`); a change to any other key is refused on "
+                          "resume."), ""]
+    for flag in ("neutral", "resumable"):
+        names = ", ".join(f"`{k.key}`" for k in keys if getattr(k, flag)) or "none"
+        out += [_fill(f"{flag.capitalize()}: {names}."), ""]
+    return "\n".join(out[:-1]) + "\n"
+
+
+def _fill(text: str) -> str:
+    """A paragraph wrapped at 110 columns, never inside a `code span`."""
+    spans = re.sub(r"`[^`]*`", lambda m: m.group().replace(" ", "\0"), text)
+    return textwrap.fill(spans, 110, break_on_hyphens=False).replace("\0", " ")
+
+
+def _cell(text: str) -> str:
+    """Text as Markdown shows it in a table cell: | and < escaped (not a column, not a tag)."""
+    return text.replace("|", "\\|").replace("<", "\\<")
+
+
+def _code(text: str) -> str:
+    """Text as a code span in a table cell: only | escaped (a code span shows any other backslash)."""
+    return "`" + text.replace("|", "\\|") + "`"
 
 
 # ---------------------------------------------------------------------------------------------------

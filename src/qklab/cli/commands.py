@@ -37,6 +37,14 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config(args: argparse.Namespace) -> int:
+    from qklab.config import config_keys, keys_markdown, keys_text, select_keys
+
+    keys = select_keys(config_keys(args.preset), args.prefix)
+    sys.stdout.write(keys_markdown(keys, args.preset) if args.markdown else keys_text(keys))
+    return 0
+
+
 def _stopped_study(e: RunInterrupted) -> int:
     """A study command stopped by a signal outside its pool (reading, preparing data): nothing was running."""
     import signal
@@ -153,13 +161,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=version_line())
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    t = sub.add_parser("train", help="train a GPT with a QK method")
+    t = sub.add_parser("train", help="train a GPT with a QK method",
+                       epilog="every config key, its type, default, valid values and meaning: qklab config [SECTION] "
+                       "(or docs/config.md)")
     t.add_argument("--config", "-c", default="tiny", help=f"preset name ({', '.join(preset_names())}) or TOML path")
     t.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set qk.method=qknorm (repeatable)")
     t.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
     t.add_argument("--overwrite", action="store_true", help="delete an existing run folder of the same name")
     t.set_defaults(fn=_train)
+
+    c = sub.add_parser("config", help="every config key: its type, default, valid values and meaning",
+                       description="List the config keys (what --set and a preset's TOML take) with their type, "
+                       "default or a preset's value, valid values and meaning, read off the config dataclasses.")
+    c.add_argument("prefix", nargs="*", metavar="SECTION|KEY",
+                   help="only the keys that start with one of these, e.g. train, qk.softcap, model.d_model")
+    c.add_argument("--preset", default=None, metavar="NAME",
+                   help=f"show this preset's values ({', '.join(preset_names())} or a TOML path), not the defaults")
+    c.add_argument("--markdown", action="store_true",
+                   help="print the reference page instead: qklab config --markdown > docs/config.md")
+    c.set_defaults(fn=_config)
 
     d = sub.add_parser("demo", help="the main job: a small study of every QK method, a table and a report")
     d.add_argument("--study", default="demo", help="study file or name in studies/ (default: demo)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from qklab.errors import DataError
 
@@ -23,32 +23,30 @@ def _is_int(value: object) -> bool:
 
 @dataclass
 class DataConfig:
-    """Where the text comes from, how it is tokenized and where caches live.
+    """Where the text comes from, how it is tokenized and where caches live. Each field's metadata holds
+    its meaning (doc) and its valid values as text (allowed, which ``validate`` checks): ``qklab config data``."""
 
-    source: "pystdlib" (the .py files of the running Python's standard library),
-        "english" (the natural-English corpus of ``make corpus``, docs/corpus.md),
-        a local file, folder or glob of text files, or "hf:<path or hub name>".
-    tokenizer: "bpe" (byte-level BPE trained on the train split) or "bytes".
-    vocab_size: BPE only; the requested vocabulary size, 260..65535.
-    val_fraction: share of documents that go to validation, chosen by a hash
-        of each document's relative path so the split never changes.
-    max_files: 0 keeps every document; N > 0 keeps a deterministic subset of N.
-    text_field: column holding the text in Hugging Face datasets.
-    hf_split: split to load from Hugging Face datasets.
-    cache_dir: folder for the trained tokenizer and the token files.
-    retrieval: share of training sequences that carry the synthetic key-value retrieval task
-        (``qklab.data.retrieval``), 0 (default) to 1; 0 trains on the text alone.
-    """
-
-    source: str = PYSTDLIB
-    tokenizer: str = "bpe"
-    vocab_size: int = 4096
-    val_fraction: float = 0.05
-    max_files: int = 0
-    text_field: str = "text"
-    hf_split: str = "train"
-    cache_dir: str = ".cache/qklab"
-    retrieval: float = 0.0
+    source: str = field(default=PYSTDLIB, metadata={
+        "doc": "the text: pystdlib (the running Python's standard library .py files), english (the corpus of "
+               "make corpus, docs/corpus.md), a local file, folder or glob of text files, or hf:<path or hub name>"})
+    tokenizer: str = field(default="bpe", metadata={
+        "doc": "bpe: byte-level BPE trained on the train split; bytes: one token per byte",
+        "allowed": " | ".join(TOKENIZER_KINDS)})
+    vocab_size: int = field(default=4096, metadata={
+        "doc": "BPE only: the requested vocabulary size (tokens are stored as uint16)",
+        "allowed": f"in [{MIN_BPE_VOCAB}, {MAX_BPE_VOCAB}] (tokenizer bpe)"})
+    val_fraction: float = field(default=0.05, metadata={
+        "doc": "share of documents that go to validation, chosen by a hash of each document's relative path so "
+               "the split never changes", "allowed": "in (0, 1), e.g. 0.05"})
+    max_files: int = field(default=0, metadata={
+        "doc": "0 keeps every document; N > 0 keeps a deterministic subset of N", "allowed": ">= 0"})
+    text_field: str = field(default="text", metadata={"doc": "column holding the text in Hugging Face datasets"})
+    hf_split: str = field(default="train", metadata={"doc": "split to load from Hugging Face datasets"})
+    cache_dir: str = field(default=".cache/qklab", metadata={
+        "doc": "folder for the trained tokenizer and the token files", "neutral": True, "resumable": True})
+    retrieval: float = field(default=0.0, metadata={
+        "doc": "share of training sequences that carry the synthetic key-value retrieval task (qklab.data.retrieval); "
+               "0 trains on the text alone", "allowed": "in [0, 1]"})
 
     def validate(self) -> None:
         """Raise DataError naming the first invalid setting and how to fix it."""

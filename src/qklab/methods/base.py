@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -50,6 +50,13 @@ def positions_of(rope: Rope, x: torch.Tensor, pos: int) -> torch.Tensor:
 # metadata of an option added after study results were committed with its method: left out of a study
 # cell's hash while at its default (which keeps the old behaviour), so those results stay valid
 LATE = {"late": True}
+
+
+def option(default: Any, doc: str, allowed: str = "", *, late: bool = False) -> Any:
+    """An ``Options`` field and what ``qklab config`` shows of it, in its metadata: doc, its meaning in one
+    line; allowed, its valid values as text (``validate`` checks them); late, see ``LATE``."""
+    meta = {"doc": doc, **({"allowed": allowed} if allowed else {}), **(LATE if late else {})}
+    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)

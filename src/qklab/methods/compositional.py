@@ -64,14 +64,14 @@ Choices where the source is silent (docs: the optimizer definitions):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from qklab.errors import ConfigError
 from qklab.methods.applied import MeasuredUpdate, head_norms, per_layer, rows_head_sq
-from qklab.methods.base import LATE, QKController
+from qklab.methods.base import QKController, option
 from qklab.methods.headwise import HeadMatrix, group_decay, is_mla, logit_matrices
 from qklab.methods.shards import is_sharded, local_rows
 
@@ -80,12 +80,14 @@ FORMS = ("isotropic", "exact")
 
 @dataclass
 class CompositionalOptions:
-    tau: float = 0.5  # the share of the composed budget each factor gets (0.5: the published half split)
-    damping: float = 0.0  # absolute lambda in C = (W W^T + lambda I)^{1/2}; > 0 bounds the factors of a small partner
-    decay: str = "scaled"  # scaled | base, as QuacK's (form=exact: base)
-    # LATE: added after results with the isotropic form; hashed only away from their defaults
-    form: str = field(default="isotropic", metadata=LATE)  # isotropic | exact (whitened inside HeadMuon)
-    rel_damping: float = field(default=1e-3, metadata=LATE)  # exact: lambda += rel_damping * tr(W W^T) / d
+    tau: float = option(0.5, "the share of the composed budget each factor gets (0.5: the published half split)",
+                        "> 0")
+    damping: float = option(0.0, "absolute lambda in C = (W W^T + lambda I)^{1/2}; > 0 bounds the factors of a "
+                                 "small partner", ">= 0")
+    decay: str = option("scaled", "as QuacK's decay (form=exact: base)", "scaled | base")
+    # late: added after results with the isotropic form; hashed only away from their defaults
+    form: str = option("isotropic", "isotropic, or exact (whitened inside HeadMuon)", "isotropic | exact", late=True)
+    rel_damping: float = option(1e-3, "exact: lambda += rel_damping * tr(W W^T) / d", ">= 0", late=True)
 
     def validate(self) -> None:
         if self.tau <= 0:

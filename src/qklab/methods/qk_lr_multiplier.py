@@ -9,13 +9,13 @@ from typing import Any
 import torch
 
 from qklab.methods.applied import MeasuredUpdate, head_norms, per_layer
-from qklab.methods.base import QKController
+from qklab.methods.base import QKController, option
 from qklab.methods.headwise import logit_matrices
 
 
 @dataclass
 class QKLRMultiplierOptions:
-    tau: float = 0.1
+    tau: float = option(0.1, "the Q/K matrices' constant learning rate relative to eta", "> 0")
 
     def validate(self) -> None:
         if self.tau <= 0:

@@ -25,16 +25,18 @@ from typing import Any
 import torch
 
 from qklab.methods.applied import head_norms, rows_head_sq
-from qklab.methods.base import QKController, QKMethod
+from qklab.methods.base import QKController, QKMethod, option
 from qklab.methods.headwise import is_mla, logit_matrices
 from qklab.methods.shards import local_rows
 
 
 @dataclass
 class QKClipOptions:
-    tau_clip: float = 100.0
-    gqa: str = "min"  # min | exact: how a shared key head is clipped (see the module docstring)
-    alpha: float = 0.5  # MLA: q_nope scaled by g^alpha, k_nope by g^(1 - alpha), q_rope by g
+    tau_clip: float = option(100.0, "a head whose largest logit since the last step exceeds this is clipped to it",
+                             "> 0")
+    gqa: str = option("min", "GQA: how a shared key head is clipped; min: by its group's smallest factor, "
+                                 "exact: each head's logits by exactly its own", "min | exact")
+    alpha: float = option(0.5, "MLA: q_nope scaled by g^alpha, k_nope by g^(1 - alpha), q_rope by g", "in [0, 1]")
 
     def validate(self) -> None:
         if self.tau_clip <= 0:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from qklab.methods.base import AttnShape, QKMethod
+from qklab.methods.base import AttnShape, QKMethod, option
 
 VARIANTS = ("post", "input", "polar")
 SHARING = ("auto", "layer", "head", "coord")
@@ -47,19 +47,23 @@ SHARING = ("auto", "layer", "head", "coord")
 
 @dataclass
 class QKMapOptions:
-    variant: str = "post"  # post | input | polar
-    n_freqs: int = 1  # M, frequencies per coordinate
-    proj_dim: int = 0  # d' per head (post/polar); 0: compute-matched, 2 M d' = d_head
-    freq_min: float = 0.5  # frequencies start on a log grid from freq_min ...
-    freq_max: float = 0.0  # ... to freq_max; 0: freq_min * 2^(M-1)
-    sharing: str = "auto"  # auto (head; layer for input) | layer | head | coord (post only)
-    learn_freqs: bool = True
-    temperature: float = 0.0  # initial logit bound T_h > 0 ("post"/"polar"); 0: 2 sqrt(d_head) (docs/qk-map.md)
-    learn_temperature: bool = True  # learnt as log T_h
-    lr_mult: float = 10.0  # rate of log_freq and log_temp relative to the base rate (no weight decay)
-    rope: str = "after"  # after (on (cos, sin) pairs) | before (RoPE on z, then the map: ablation)
-    polar_g: str = "log"  # polar only: identity | log of the norm
-    qk_init_std: float = 0.0  # std of W_Q/W_K at init; 0: post/polar 1/sqrt(fan_in) (w * std(z) ~ w), input init_std
+    variant: str = option("post", "where the periodic map acts (docs/qk-map.md)", "post | input | polar")
+    n_freqs: int = option(1, "M, frequencies per coordinate", ">= 1")
+    proj_dim: int = option(0, "d' per head (post/polar); 0: compute-matched, 2 M d' = d_head", ">= 0")
+    freq_min: float = option(0.5, "frequencies start on a log grid from freq_min ...", "> 0")
+    freq_max: float = option(0.0, "... to freq_max; 0: freq_min * 2^(M-1)", ">= 0")
+    sharing: str = option("auto", "who shares frequencies: auto (head; layer for input), coord (post only)",
+                          "auto | layer | head | coord")
+    learn_freqs: bool = option(True, "the frequencies are learnt (as log_freq)")
+    temperature: float = option(0.0, "initial logit bound T_h (post/polar); 0: 2 sqrt(d_head) (docs/qk-map.md)",
+                                ">= 0")
+    learn_temperature: bool = option(True, "T_h is learnt as log T_h")
+    lr_mult: float = option(10.0, "rate of log_freq and log_temp relative to the base rate (no weight decay)", ">= 0")
+    rope: str = option("after", "after: RoPE on (cos, sin) pairs; before: RoPE on z, then the map (ablation)",
+                       "after | before")
+    polar_g: str = option("log", "polar only: the norm as it is, or its log", "identity | log")
+    qk_init_std: float = option(0.0, "std of W_Q/W_K at init; 0: post/polar 1/sqrt(fan_in) (w * std(z) ~ w), input "
+                                     "the model's init_std", ">= 0")
 
     def validate(self) -> None:
         if self.variant not in VARIANTS:

@@ -23,25 +23,25 @@ Variants (options; the defaults are the QK-Norm above, computed exactly as befor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from qklab.methods.base import LATE, AttnShape, QKMethod
+from qklab.methods.base import AttnShape, QKMethod, option
 
 
 @dataclass
 class QKNormOptions:
-    eps: float = 1e-6
-    gain_init: float = 1.0  # initial value of every gain entry
-    k_group: int = 1  # key heads sharing one key RMS (1: per head)
-    k_parts: bool = False  # MLA: normalise the keys' nope and rope parts separately
-    # LATE: added after the CPU studies' results, hashed only away from their defaults (the old QK-Norm)
-    q_gain: bool = field(default=True, metadata=LATE)  # False: parameter-free RMS on q (DeepSeek-V4 style)
-    stats: str = field(default="head", metadata=LATE)  # head | flat: per head, or over all of a token's heads
-    gains: str = field(default="shared", metadata=LATE)  # shared | head: one gain vector for all heads, or each
-    p: float = field(default=2.0, metadata=LATE)  # the statistic (mean |x|^p)^(1/p); p != 2: a learnable scale
+    eps: float = option(1e-6, "added to the mean square under the root (RMSNorm's epsilon)")
+    gain_init: float = option(1.0, "initial value of every gain entry", "> 0")
+    k_group: int = option(1, "key heads sharing one key RMS (1: per head)", ">= 1")
+    k_parts: bool = option(False, "MLA: normalise the keys' nope and rope parts separately")
+    # late: added after the CPU studies' results, hashed only away from their defaults (the old QK-Norm)
+    q_gain: bool = option(True, "false: parameter-free RMS on q (DeepSeek-V4 style)", late=True)
+    stats: str = option("head", "the statistic per head, or over all of a token's heads", "head | flat", late=True)
+    gains: str = option("shared", "one gain vector for all heads, or one per head", "shared | head", late=True)
+    p: float = option(2.0, "the statistic (mean |x|^p)^(1/p); p != 2: a learnable logit scale", ">= 1", late=True)
 
     def validate(self) -> None:
         if self.gain_init <= 0:

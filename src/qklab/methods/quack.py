@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from qklab.methods.applied import MeasuredUpdate, head_norms, per_layer
-from qklab.methods.base import QKController
+from qklab.methods.base import QKController, option
 from qklab.methods.headwise import (
     HeadMatrix,
     group_decay,
@@ -46,11 +46,13 @@ from qklab.methods.shards import is_sharded
 
 @dataclass
 class QuacKOptions:
-    tau: float = 1.0  # initial Q/K learning rate relative to eta
-    norm: str = "fro"  # fro | spectral
-    clamp: float = 0.0  # >= 1: every factor kept within [tau / clamp, tau * clamp]; 0: off
-    decay: str = "scaled"  # scaled (decoupled decay moves with the factor) | base (decay at the group's rate)
-    gains: bool = False  # count the RMSNorm gains in front of each matrix in its norm
+    tau: float = option(1.0, "initial Q/K learning rate relative to eta", "> 0")
+    norm: str = option("fro", "the norm of each matrix in its partner's factor (Frobenius or spectral)",
+                       "fro | spectral")
+    clamp: float = option(0.0, "every factor kept within [tau / clamp, tau * clamp]; 0: off", "0 (off) or >= 1")
+    decay: str = option("scaled", "scaled: the decoupled decay moves with the factor; base: decay at the group's rate",
+                        "scaled | base")
+    gains: bool = option(False, "count the RMSNorm gains in front of each matrix in its norm")
 
     def validate(self) -> None:
         if self.tau <= 0:

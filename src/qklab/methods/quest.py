@@ -19,14 +19,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from qklab.methods.base import AttnShape, QKMethod
+from qklab.methods.base import AttnShape, QKMethod, option
 
 
 @dataclass
 class QuestOptions:
-    eps: float = 1e-6  # k / sqrt(||k||^2 + eps)
-    head_scale: bool = False  # a learnable logit factor c_h per head (the paper: none, c = 1)
-    scale_init: float = 1.0  # initial c_h with head_scale
+    eps: float = option(1e-6, "k / sqrt(||k||^2 + eps)", "> 0")
+    head_scale: bool = option(False, "a learnable logit factor c_h per head (the paper: none, c = 1)")
+    scale_init: float = option(1.0, "initial c_h with head_scale", "> 0")
 
     def validate(self) -> None:
         if not self.eps > 0:

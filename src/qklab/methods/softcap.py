@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-from qklab.methods.base import AttnShape, QKMethod
+from qklab.methods.base import AttnShape, QKMethod, option
 
 
 @dataclass
 class SoftCapOptions:
-    cap: float = 50.0
+    cap: float = option(50.0, "the logit bound: s <- cap * tanh(s / cap) on the scaled logits", "> 0")
 
     def validate(self) -> None:
         if not self.cap > 0:

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from qklab.methods.base import AttnShape, QKMethod, positions_of
+from qklab.methods.base import AttnShape, QKMethod, option, positions_of
 
 
 @dataclass
 class SSMaxOptions:
-    ref_len: int = 256  # s_h starts at 1 / log(ref_len): standard logits for a query that sees ref_len keys
+    ref_len: int = option(256, "s_h starts at 1 / log(ref_len): standard logits for a query that sees ref_len keys",
+                          ">= 2")
 
     def validate(self) -> None:
         if self.ref_len < 2:
