@@ -64,3 +64,42 @@ def check_padded_generation(model) -> None:
             nxt = logits[:, -1].argmax(-1, keepdim=True)
             seq, m = torch.cat([seq, nxt], 1), torch.cat([m, torch.ones_like(nxt)], 1)
     assert torch.equal(out, seq)
+
+
+MODULE_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+                "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks")
+
+
+def _config_attn(name: str, cfg, out: dict) -> None:
+    out[name] = cfg._attn_implementation
+    for key in getattr(cfg, "sub_configs", {}):
+        if getattr(cfg, key, None) is not None:
+            _config_attn(f"{name}.{key}", getattr(cfg, key), out)
+
+
+def snapshot(model, optimizers=()) -> dict:
+    """What a qklab handle may touch, comparable with ``assert_same``: the weights; each module's class,
+    attribute names and hook counts; every config's attention implementation (sub-configs included); each
+    optimizer's step hooks, HeadMuon preconditioners and groups."""
+    attn: dict = {}
+    _config_attn("config", model.config, attn)
+    for name, m in model.named_modules():
+        if hasattr(getattr(m, "config", None), "_attn_implementation"):
+            _config_attn(f"{name}.config", m.config, attn)
+    return {
+        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "modules": {name: (type(m), sorted(vars(m)), [len(getattr(m, h, {})) for h in MODULE_HOOKS])
+                    for name, m in model.named_modules()},
+        "attn": attn,
+        "optimizers": [(len(o._optimizer_step_pre_hooks), len(o._optimizer_step_post_hooks),
+                        sorted(getattr(o, "_preconditioners", {})), o.state_dict()["param_groups"])
+                       for o in optimizers],
+    }
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert got["weights"].keys() == want["weights"].keys()
+    for k, v in want["weights"].items():
+        assert torch.equal(got["weights"][k], v), k
+    for part in ("modules", "attn", "optimizers"):
+        assert got[part] == want[part], part

@@ -1,6 +1,7 @@
 """qklab.attach and QKCallback: Q/K weights found by name (Llama, Qwen3, DeepSeek-V3) or given explicitly
 (a fused c_attn, GPT-2's transposed Conv1D), and the controllers' per-head effect against references
-written out here (plain loops, norms and logits computed directly)."""
+written out here (plain loops, norms and logits computed directly); one live handle per model and
+optimizer, and remove() restoring the model exactly."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ transformers = pytest.importorskip("transformers")
 
 import qklab  # noqa: E402
 from qklab.errors import ConfigError  # noqa: E402
+from qklab.hf import Attached  # noqa: E402
 from qklab.hf.layers import LayerSpec, find_layers  # noqa: E402
-from tests.hf.common import HKV, H, tiny_model  # noqa: E402
+from tests.hf.common import HKV, H, assert_same, snapshot, tiny_model  # noqa: E402
 
 
 def _aliases(view: torch.Tensor, param: torch.Tensor) -> bool:
@@ -257,3 +259,117 @@ def test_qkclip_on_deepseek_mla_clips_each_head_to_tau():
     for i in range(2):
         torch.testing.assert_close(head_max(i, xs[i]), torch.minimum(s0[i], torch.tensor(tau)), rtol=1e-4, atol=1e-4)
     assert 0 < handle.controller.metrics()["qkclip_heads_clipped"] < 2 * H
+
+
+def _ids(n=3, T=16, seed=5):
+    return torch.randint(3, 101, (n, T), generator=torch.Generator().manual_seed(seed))
+
+
+def test_second_attach_is_refused_until_remove():
+    """Two fixed multipliers at tau 0.1 would give 0.01x: the second attach is refused, on the model, on the
+    optimizer and on an attention layer alike, and leaves nothing behind; after remove() one multiplier
+    gives exactly tau x the plain SGD update (written out: -tau * lr * grad), the other weights the plain one."""
+    lr, tau = 0.1, 0.1
+    model = tiny_model("llama")
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    first = qklab.attach(model, opt, "qk_lr_multiplier", tau=tau)
+    with pytest.raises(ConfigError, match=r"^this model \(LlamaForCausalLM\) already has a live qklab handle, "
+                                          r"<qklab handle: qk_lr_multiplier on LlamaForCausalLM, 2 layers, live>: "
+                                          r"call its \.remove\(\) first"):
+        qklab.attach(model, opt, "qk_lr_multiplier", tau=tau)
+    with pytest.raises(ConfigError, match=r"^this optimizer \(SGD\) already has a live qklab handle"):
+        qklab.attach(tiny_model("llama", seed=1), opt, "quack")
+    with pytest.raises(ConfigError, match=r"^this attention module \(LlamaAttention\) already has a live"):
+        qklab.attach(model.model, torch.optim.SGD(model.parameters(), lr=lr), "quack")  # the inner model's layers
+    assert Attached.of(model) is first and Attached.of(opt) is first
+    assert (len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks)) == (1, 1)  # the first's only
+    first.remove()
+    assert Attached.of(model) is None and Attached.of(opt) is None and "removed" in repr(first)
+    again = qklab.attach(model, opt, "qk_lr_multiplier", tau=tau)
+    w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.train()
+    ids = _ids()
+    model(input_ids=ids, labels=ids).loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    opt.step()
+    for n, p in model.named_parameters():
+        f = tau if n.endswith(("q_proj.weight", "k_proj.weight")) else 1.0
+        torch.testing.assert_close(p.detach(), w0[n] - f * lr * grads[n], rtol=1e-6, atol=1e-7)
+    # tau^2 would miss by (tau - tau^2) lr |grad|, far beyond the tolerance
+    assert (tau - tau**2) * lr * grads["model.layers.0.self_attn.q_proj.weight"].abs().max() > 1e-5
+    again.remove()
+
+
+def _step(model, opt, ids) -> None:
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("controller,options", [("none", {"track": True}), ("quack", {"tau": 0.5}),
+                                                ("qkclip", {"tau_clip": 1e6}), ("qk_lr_multiplier", {"tau": 0.1})])
+def test_remove_restores_the_model_exactly(controller, options):
+    """attach, train two steps at lr 0 (QK-clip's tau above every logit: no weight moves), remove: the model
+    and optimizer are what they were (attention implementation, attributes, hooks) and the logits are the
+    untouched model's bit for bit."""
+    model = tiny_model("llama")
+    model.set_attn_implementation("sdpa")
+    untouched = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    before = snapshot(model, [opt])
+    handle = qklab.attach(model, opt, controller, **options)
+    tracks = controller == "qkclip" or options.get("track", False)
+    assert model.config._attn_implementation == ("qklab" if tracks else "sdpa")
+    model.train()
+    for _ in range(2):
+        _step(model, opt, _ids())
+    assert ("max_logit" in handle.metrics()) == tracks
+    handle.remove()
+    handle.remove()  # a second call does nothing
+    assert_same(snapshot(model, [opt]), before)
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(_ids(seed=9)).logits, untouched(_ids(seed=9)).logits)
+
+
+def test_remove_restores_hooked_layer_specs():
+    """LayerSpec layers track through forward hooks on the projections: remove() takes them out."""
+    torch.manual_seed(0)
+    model = FusedGPT()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    before = {n: len(m._forward_hooks) for n, m in model.named_modules()}
+    handle = qklab.attach(model, opt, "qkclip", layers=_fused_specs(), tau_clip=1e6)
+    assert sum(len(m._forward_hooks) for m in model.modules()) == 4  # q and k on each c_attn
+    model(torch.randint(0, 50, (2, 16))).sum().backward()
+    opt.step()
+    assert "max_logit" in handle.metrics()
+    handle.remove()
+    assert {n: len(m._forward_hooks) for n, m in model.named_modules()} == before
+    assert (len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks)) == (0, 0)
+
+
+def test_remove_takes_compositional_whitening_out_of_head_muon():
+    from qklab.parallel.muon import HeadMuon
+
+    model = tiny_model("llama")
+    qk = [p for n, p in model.named_parameters() if n.endswith(("q_proj.weight", "k_proj.weight"))]
+    opt = HeadMuon([{"params": qk, "head_rows": [16] * len(qk)}], lr=0.0)
+    before = snapshot(model, [opt])
+    handle = qklab.attach(model, opt, "compositional", form="exact", decay="base")
+    assert len(opt._preconditioners) == len(qk)
+    model.train()
+    _step(model, opt, _ids())
+    handle.remove()
+    assert_same(snapshot(model, [opt]), before)
+
+
+def test_refused_controller_leaves_the_model_as_it_was():
+    """QK-clip on Qwen3's QK-Norm is refused inside the controller: nothing attach did stays."""
+    model = tiny_model("qwen3")
+    model.set_attn_implementation("sdpa")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = snapshot(model, [opt])
+    with pytest.raises(ValueError, match="(?i)qk-norm|qknorm"):
+        qklab.attach(model, opt, "qkclip", tau_clip=1.0)
+    assert_same(snapshot(model, [opt]), before)
+    qklab.attach(model, opt, "quack").remove()  # not left live

@@ -4,9 +4,13 @@ attention forward that runs a ``QKMethod`` on Llama-style layers.
 * ``qklab_attention`` is registered with ``AttentionInterface`` and its mask (an additive float mask,
   ``eager_mask``) with ``AttentionMaskInterface``, both under the name ``"qklab"``. It reads the layer's
   ``qk_method`` (logit rewrite, e.g. soft-capping), ``qk_layer`` (a per-head max-logit tracker) and
-  ``attn_sink`` (per-head sink logits, (H,), qklab's ``model.attn_sink``), and runs fused SDPA when
-  neither of the first two needs the logits (a sink is then one zero key and value with a float-mask
-  column b_h, exactly as in ``qklab.model.attention.sdpa_causal``).
+  ``attn_sink`` (per-head sink logits, (H,), qklab's ``model.attn_sink``), and runs fused SDPA unless the
+  method rewrites logits (a sink is then one zero key and value with a float-mask column b_h, exactly as
+  in ``qklab.model.attention.sdpa_causal``); a tracking layer gets its max logits from a separate chunked
+  QK^T pass (``masked_head_max``), never from materialised probabilities.
+* ``AttnSwitch`` holds a model's own attention implementation and qklab's, and puts either back exactly
+  (every config's setting, sub-configs included): ``attach`` runs the model on qklab's function only while
+  it measures max logits.
 * ``QKAttentionMixin.forward`` replaces the forward of Llama/Mistral/Qwen2/Qwen3 attention (the module's
   class is swapped for a subclass; its weights and their names stay): q and k come from the projections
   as ``(B, H, T, d')``, go through the method's ``map_input``/``map_qk`` exactly as in qklab's own
@@ -83,7 +87,10 @@ def qklab_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
             ~mask, torch.finfo(query.dtype).min)
     drop = dropout if module.training else 0.0
     sink = getattr(module, "attn_sink", None)  # (H,) or None
-    if not (rewrites or tracking or kwargs.get("output_attentions")):
+    if not (rewrites or kwargs.get("output_attentions")):
+        if tracking:  # before the sink's column joins the mask
+            causal = query.shape[2] > 1 and getattr(module, "is_causal", True)
+            tracker._track(masked_head_max(query, key, scaling, None if mask is None else mask == 0, causal))
         if sink is not None:  # one zero key and value (logit q.0 = 0) whose mask entry is the sink logit b_h
             key, value, mask = _sink_key(query, key, value, mask, sink)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=drop, scale=scaling,
@@ -101,6 +108,30 @@ def qklab_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     p = softmax_with_sink(s, sink).to(query.dtype)  # fp32; the sink's own probability dropped
     p = F.dropout(p, p=drop, training=module.training)
     return torch.matmul(p, value).transpose(1, 2).contiguous(), p
+
+
+@torch.no_grad()
+def masked_head_max(q: torch.Tensor, k: torch.Tensor, scale: float, allowed: torch.Tensor | None, causal: bool,
+                    chunk: int = 64) -> torch.Tensor:
+    """Per-head max over batch, queries and allowed keys of the scaled logit, (H,) fp32; q (B, H, Tq, F),
+    k (B, Hkv, Tk, F), allowed (B|1, 1, Tq, Tk) bool or None (every key).
+
+    In query chunks of ``chunk`` rows, so that at most (B, H, chunk, Tk) logits exist at a time. ``causal``:
+    queries are last-aligned with the keys and see none after their own position (padding and sliding
+    windows only take keys away), so a chunk stops at its last query's key: about half the work of a full
+    QK^T. The scale (> 0) multiplies the max alone: for fp32 logits, exactly the max of the scaled ones."""
+    H, Tq, Tk = q.shape[1], q.shape[2], k.shape[2]
+    if k.shape[1] != H:
+        k = k.repeat_interleave(H // k.shape[1], dim=1)  # (B, H, Tk, F)
+    kt = k.transpose(-2, -1)  # (B, H, F, Tk)
+    best = torch.full((H,), float("-inf"), device=q.device)
+    for i in range(0, Tq, chunk):
+        end = Tk - Tq + min(i + chunk, Tq) if causal else Tk
+        s = q[:, :, i : i + chunk] @ kt[..., :end]  # (B, H, c, end)
+        if allowed is not None:
+            s = s.masked_fill(~allowed[..., i : i + chunk, :end], float("-inf"))
+        best = torch.maximum(best, s.amax(dim=(0, 2, 3)).float())
+    return best * scale
 
 
 def _sink_key(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -128,6 +159,51 @@ def use_qklab_attention(model: nn.Module) -> None:
     """Switch a transformers model (and its sub-configs) to the ``"qklab"`` attention implementation."""
     register()
     model.set_attn_implementation(NAME)
+
+
+def attn_settings(model: nn.Module) -> list[tuple[object, object]]:
+    """(config, its attention implementation setting) for every config of a transformers model: its own, its
+    sub-configs at any depth and those of its sub-models, each once."""
+    todo = [model.config] + [m.config for m in model.modules() if hasattr(getattr(m, "config", None),
+                                                                          "_attn_implementation_internal")]
+    seen, out = set(), []
+    while todo:
+        cfg = todo.pop(0)
+        if id(cfg) in seen:
+            continue
+        seen.add(id(cfg))
+        out.append((cfg, cfg._attn_implementation_internal))
+        todo += [sub for key in cfg.sub_configs if (sub := getattr(cfg, key, None)) is not None]
+    return out
+
+
+def put_attn_settings(settings: list[tuple[object, object]]) -> None:
+    """Write back what ``attn_settings`` read, config by config (no check, no side effect)."""
+    for cfg, impl in settings:
+        cfg._attn_implementation_internal = impl
+
+
+class AttnSwitch:
+    """A transformers model's own attention implementation and qklab's, to switch between exactly: every
+    config's setting is written back as it was read (transformers checks the switch to ``"qklab"`` once,
+    here). A model already on ``"qklab"`` (``apply``) stays on it either way."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.own = attn_settings(model)
+        if model.config._attn_implementation != NAME:
+            use_qklab_attention(model)
+        self.qklab = attn_settings(model)
+        self.on = True
+
+    def use_qklab(self, on: bool) -> None:
+        if on != self.on:
+            put_attn_settings(self.qklab if on else self.own)
+            self.on = on
+
+    def restore(self) -> None:
+        """The model's own settings, as they were before."""
+        put_attn_settings(self.own)
+        self.on = False
 
 
 class QKAttentionMixin:
