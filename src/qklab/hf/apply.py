@@ -99,7 +99,7 @@ def twin_model(family: str) -> type:
 def adopt_twin(model: nn.Module) -> None:
     """Make a converted model and its config qklab's twins of their family (same weights, same forward)."""
     family = model_family(model.config)
-    if family in CLASSES and not type(model).__name__.startswith("QK"):
+    if family in CLASSES and type(model) is not twin_model(family):
         model.config.__class__ = twin_config(family)
         model.__class__ = twin_model(family)
 
@@ -226,7 +226,7 @@ def rebuild(model: nn.Module) -> None:
     did, in one pass, before its weights are loaded."""
     rec = getattr(model.config, RECORD)
     method = rec["method"]
-    opts = from_dict({**METHODS, **CONTROLLERS}[method].Options, rec.get("options") or {}, f"{RECORD}.{method}.")
+    opts = from_dict(METHODS[method].Options, rec.get("options") or {}, f"{RECORD}.{method}.")
     convert(model, method, opts, rec.get("attn_gate", "none"), bool(rec.get("attn_sink", False)))
 
 
