@@ -209,6 +209,10 @@ class TrainConfig:
     muon_per_head: Literal["none", "qk", "qkv"] = _key(
         "none", doc="Muon only: Newton-Schulz per attention head on W_Q, W_K (qkv: and W_V; MLA: the per-head "
                     "up-projections)")
+    muon_head_groups: int = _key(
+        0, _at_least(0, " (0: one group per head)"),
+        doc="Muon only, with muon_per_head: Newton-Schulz over g groups of adjacent heads of each matrix (Group "
+            "Muon; 1: the whole matrix, n_heads: per head); a KV matrix takes min(g, its heads) groups")
     schedule: Literal["cosine", "constant"] = _key("cosine", doc="learning rate after a linear warmup")
     warmup_steps: int = _key(20, _at_least(0), doc="steps of the linear warmup")
     min_lr_ratio: float = _key(0.1, _between(0, 1), doc="cosine: the last step's lr as a share of the peak")
@@ -267,6 +271,10 @@ class RunConfig:
         trackers = typing.get_args(Tracker)
         _check(all(x in trackers for x in t.trackers) and len(set(t.trackers)) == len(t.trackers),
                f"train.trackers={t.trackers}: use a list of distinct names from {', '.join(trackers)}")
+        _check(t.muon_head_groups == 0 or t.muon_per_head != "none",
+               f"train.muon_head_groups={t.muon_head_groups} groups the heads of train.muon_per_head's matrices; "
+               "set train.muon_per_head=qk or qkv")
+        check_head_groups(t.muon_head_groups, m.n_heads, m.kv_heads if m.attention == "mha" else m.n_heads)
         _check(t.data_seed >= -1, f"train.data_seed={t.data_seed}: use -1 (follow train.seed) or a seed >= 0")
         try:
             self.data.validate()
@@ -317,6 +325,17 @@ def check_model(m: ModelConfig, q: QKConfig) -> None:
            f"qk.method='{q.method}' with these options changes the q/k projection widths (per head "
            f"{shape.head_dim} -> {method.proj_dim()}), which model.attention=mla does not support; use "
            f"model.attention=mha or options that keep the per-head q/k width {shape.head_dim}")
+
+def check_head_groups(groups: int, n_heads: int, n_kv_heads: int) -> None:
+    """Group Muon's g (``train.muon_head_groups``) must split the query heads, and the KV heads into
+    min(g, n_kv_heads) groups, evenly."""
+    if groups == 0:
+        return
+    _check(n_heads % groups == 0,
+           f"train.muon_head_groups={groups} does not divide model.n_heads={n_heads}; pick a divisor")
+    _check(n_kv_heads % min(groups, n_kv_heads) == 0,
+           f"train.muon_head_groups={groups} does not split the {n_kv_heads} KV heads evenly; pick a divisor of both")
+
 
 def _check(ok: bool, msg: str) -> None:
     if not ok:

@@ -120,24 +120,21 @@ def _per_head_names(mla: bool, which: str) -> dict[str, int]:
     return {"wq": 4, "wk": 2, **({"wv": 2} if which == "qkv" else {})}
 
 
-@pytest.mark.parametrize("mla, which", [(False, "qk"), (False, "qkv"), (True, "qkv")])
-def test_per_head_muon_equals_torch_muon_on_each_head_slice(mla, which):
-    """Two steps of the per-head Muon: every head's block of W_Q, W_K (W_V) equals a torch.optim.Muon built
-    on that block alone (its own shape, so its own match_rms_adamw rate); every other matrix equals torch's
-    Muon on the whole matrix, bit for bit."""
-    model = _mla_gpt() if mla else tiny_gpt(n_kv_heads=2)
-    lr, wd = 0.02, 0.1
-    muon, _ = build_optimizer(model, TrainConfig(optimizer="muon", lr=lr, weight_decay=wd, muon_per_head=which))
+def _steps_against_torch_blocks(model, cfg: TrainConfig, blocks: dict[str, int]) -> int:
+    """Two steps of qklab's Muon under ``cfg`` against a torch.optim.Muon per block: a matrix whose kind is in
+    ``blocks`` (suffix -> number of blocks) is split into that many row blocks, each its own parameter (its
+    own shape, so its own match_rms_adamw rate); every other matrix is one parameter and must match bit for
+    bit. Returns the number of matrices split."""
+    lr, wd = cfg.lr, cfg.weight_decay
+    muon, _ = build_optimizer(model, cfg)
     names = muon.param_groups[0]["param_names"]
     w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
     grads = [{n: torch.randn_like(p) for n, p in model.named_parameters()} for _ in range(2)]
     refs: dict[str, list[torch.nn.Parameter]] = {}
     ref_opts = []
-    heads = _per_head_names(mla, which)
     for n in names:
         kind = n.split(".")[-2]
-        blocks = w0[n].chunk(heads[kind]) if kind in heads else [w0[n]]
-        refs[n] = [torch.nn.Parameter(b.clone()) for b in blocks]
+        refs[n] = [torch.nn.Parameter(b.clone()) for b in w0[n].chunk(blocks.get(kind, 1))]
         ref_opts.append(torch.optim.Muon(refs[n], lr=lr, weight_decay=wd, momentum=0.95,
                                          adjust_lr_fn="match_rms_adamw"))
     params = dict(model.named_parameters())
@@ -157,7 +154,69 @@ def test_per_head_muon_equals_torch_muon_on_each_head_slice(mla, which):
             torch.testing.assert_close(params[n].detach(), want, atol=1e-6, rtol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
         else:
             assert torch.equal(params[n].detach(), want), n
-    assert split == 2 * len(heads)  # every per-head matrix of both layers was split
+    return split
+
+
+@pytest.mark.parametrize("mla, which", [(False, "qk"), (False, "qkv"), (True, "qkv")])
+def test_per_head_muon_equals_torch_muon_on_each_head_slice(mla, which):
+    """Two steps of the per-head Muon: every head's block of W_Q, W_K (W_V) equals a torch.optim.Muon built
+    on that block alone (its own shape, so its own match_rms_adamw rate); every other matrix equals torch's
+    Muon on the whole matrix, bit for bit."""
+    model = _mla_gpt() if mla else tiny_gpt(n_kv_heads=2)
+    heads = _per_head_names(mla, which)
+    cfg = TrainConfig(optimizer="muon", lr=0.02, weight_decay=0.1, muon_per_head=which)
+    assert _steps_against_torch_blocks(model, cfg, heads) == 2 * len(heads)  # every per-head matrix, both layers
+
+
+# --- Group Muon (train.muon_head_groups) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mla, groups, blocks", [
+    (False, 2, {"wq": 2, "wk": 2, "wv": 2}),  # 4 query heads in 2 groups; 2 KV heads, one a group
+    (False, 4, {"wq": 4, "wk": 2, "wv": 2}),  # past the KV heads: a KV group is one KV head
+    (True, 2, {"wuq": 2, "wuk": 2, "wqr": 2, "wuv": 2}),
+])
+def test_group_muon_equals_torch_muon_on_each_group(mla, groups, blocks):
+    """Newton-Schulz over g groups of adjacent heads: each group's row block of a matrix equals a torch Muon
+    on that block alone (rate matched on the group's shape), the other matrices torch's Muon whole."""
+    model = _mla_gpt() if mla else tiny_gpt(n_kv_heads=2)
+    cfg = TrainConfig(optimizer="muon", lr=0.02, weight_decay=0.1, muon_per_head="qkv", muon_head_groups=groups)
+    assert _steps_against_torch_blocks(model, cfg, blocks) == 2 * len(blocks)
+
+
+def _muon_steps(cfg: TrainConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = tiny_gpt()
+    muon, _ = build_optimizer(model, cfg)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        muon.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("groups, same_as", [(1, "none"), (4, "qk")])
+def test_group_muon_ends_are_packed_and_per_head_bit_for_bit(groups, same_as):
+    """g = 1 is Muon on the whole matrix and g = H (4 heads) the per-head Muon, bit for bit."""
+    got = _muon_steps(TrainConfig(optimizer="muon", lr=0.02, muon_per_head="qk", muon_head_groups=groups))
+    want = _muon_steps(TrainConfig(optimizer="muon", lr=0.02, muon_per_head=same_as))
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    other = _muon_steps(TrainConfig(optimizer="muon", lr=0.02, muon_per_head="qk", muon_head_groups=2))
+    assert not torch.equal(other["blocks.0.attn.wq.weight"], want["blocks.0.attn.wq.weight"])
+
+
+def test_group_muon_config_rules():
+    from qklab.config import ConfigError, load_config
+
+    assert load_config("tiny", ["train.muon_per_head=qk", "train.muon_head_groups=2"]).train.muon_head_groups == 2
+    with pytest.raises(ConfigError, match="set train.muon_per_head=qk or qkv"):
+        load_config("tiny", ["train.muon_head_groups=2"])
+    with pytest.raises(ConfigError, match="does not divide model.n_heads"):
+        load_config("tiny", ["train.muon_per_head=qk", "train.muon_head_groups=3"])
+    with pytest.raises(ConfigError, match="KV heads"):  # 6 query heads in 2 groups, but 3 KV heads do not split in 2
+        load_config("tiny", ["model.d_model=96", "model.n_heads=6", "model.n_kv_heads=3",
+                             "train.muon_per_head=qk", "train.muon_head_groups=2"])
 
 
 def test_per_head_muon_default_is_torch_muon():

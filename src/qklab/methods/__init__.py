@@ -13,6 +13,7 @@ from qklab.methods.quest import Quest
 from qklab.methods.softcap import SoftCap
 from qklab.methods.ssmax import SSMax
 from qklab.methods.standard import Standard
+from qklab.methods.upper_qk_slowdown import UpperQKSlowdown
 
 # forward-side: name -> QKMethod subclass
 METHODS: dict[str, type[QKMethod]] = {
@@ -31,6 +32,7 @@ CONTROLLERS: dict[str, type[QKController]] = {
     "qkclip": QKClip,
     "qk_lr_multiplier": QKLRMultiplier,
     "compositional": Compositional,
+    "upper_qk_slowdown": UpperQKSlowdown,
 }
 
 __all__ = ["METHODS", "CONTROLLERS", "AttnShape", "QKMethod", "QKController"]

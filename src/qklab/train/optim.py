@@ -23,12 +23,16 @@ def hidden_matrix_names(model: nn.Module) -> set[str]:
     return {n for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")}
 
 
-def per_head_matrices(model: nn.Module, which: str) -> dict[int, int]:
-    """id(weight) -> rows per head of the attention matrices that Muon orthogonalises per head under
+def per_head_matrices(model: nn.Module, which: str, groups: int = 0) -> dict[int, int]:
+    """id(weight) -> rows per block of the attention matrices that Muon orthogonalises per head under
     ``train.muon_per_head`` (``qk`` or ``qkv``; ``none``: none). MHA/GQA: W_Q (per query head), W_K (per
     KV head) and with ``qkv`` W_V (per KV head). MLA: the per-head up-projections W_uq, W_uk, W_qr and with
     ``qkv`` W_uv; the down-projections W_dq, W_dkv and the shared rope key W_kr serve every head, have no
-    per-head blocks, and stay whole."""
+    per-head blocks, and stay whole.
+
+    ``groups`` g > 0 (Group Muon, ``train.muon_head_groups``): a matrix of n heads is orthogonalised in
+    min(g, n) blocks of adjacent heads (g = 1: whole; g = n: per head). A KV head serves adjacent query
+    heads, so a KV block holds the KV heads of its query block (or, past n_kv groups, one KV head)."""
     if which == "none":
         return {}
     out: dict[int, int] = {}
@@ -38,7 +42,7 @@ def per_head_matrices(model: nn.Module, which: str) -> dict[int, int]:
             mats += [(a.wuv, a.n_heads)] if which == "qkv" else []
         else:
             mats = [(a.wq, a.n_heads), (a.wk, a.n_kv_heads)] + ([(a.wv, a.n_kv_heads)] if which == "qkv" else [])
-        out.update({id(m.weight): m.weight.shape[0] // n for m, n in mats})
+        out.update({id(m.weight): m.weight.shape[0] // (min(groups, n) if groups else n) for m, n in mats})
     return out
 
 
@@ -66,8 +70,9 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig,
     parameters that ask for it (QK-MAP's frequencies and temperature) get an AdamW group of their own:
     no weight decay, their method's rate multiplier. ``muon_cls``: torch's Muon, or a subclass (FSDP2
     shards: ``qklab.parallel.muon.ShardedMuon``). ``cfg.muon_per_head``: the attention matrices it names
-    (``per_head_matrices``) are orthogonalised head by head (``qklab.parallel.muon.HeadMuon``); AdamW is
-    elementwise, so the option changes nothing there."""
+    (``per_head_matrices``) are orthogonalised head by head, or by groups of heads with
+    ``cfg.muon_head_groups`` (``qklab.parallel.muon.HeadMuon``); AdamW is elementwise, so the options
+    change nothing there."""
     hidden = hidden_matrix_names(model)
     own = method_groups(model)
     taken = {n for _, named in own.values() for n, _ in named}
@@ -86,7 +91,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig,
     muon_params = [(n, p) for n, p in matrices if n in hidden]
     adam_matrices = [(n, p) for n, p in matrices if n not in hidden]
     group = _group("muon", muon_params, cfg.lr, cfg.weight_decay)
-    heads = per_head_matrices(model, cfg.muon_per_head)
+    heads = per_head_matrices(model, cfg.muon_per_head, cfg.muon_head_groups)
     if heads:  # rows per head of each Muon matrix, 0: whole
         group["head_rows"] = [heads.get(id(p), 0) for _, p in muon_params]
         muon_cls = HeadMuon if muon_cls is torch.optim.Muon else muon_cls
