@@ -36,6 +36,15 @@ SUITES: dict[str, tuple[list[str], list[str]]] = {  # name -> (--set, --variant 
         "none:", "quack:qk.controller=quack", "compositional:qk.controller=compositional",
         f"compositional-exact:{EXACT}",
         "muon-per-head-qk:train.muon_per_head=qk", "muon-per-head-qkv:train.muon_per_head=qkv"]),
+    # the 2026 optimizer-side baselines beside their parents (small: 6 heads): Group Muon at g = 2 and 3 against
+    # packed and per-head Muon; the upper-layer Q/K slowdown (held on for the whole run) against the fixed
+    # multiplier, which rescales every layer's Q/K change the same way
+    "baselines2026": (["train.optimizer=muon"], [
+        "none:", "muon-per-head-qk:train.muon_per_head=qk",
+        "group-muon-g2:train.muon_per_head=qk,train.muon_head_groups=2",
+        "group-muon-g3:train.muon_per_head=qk,train.muon_head_groups=3",
+        "qk-lr-multiplier:qk.controller=qk_lr_multiplier",
+        "upper-qk-slowdown:qk.controller=upper_qk_slowdown,qk.upper_qk_slowdown.steps=1000000"]),
 }
 
 
