@@ -7,6 +7,7 @@
 # Once its study file has changed since the commit it last ran from (a design amended with `qklab study
 # amend`), it runs nothing and names the commit to continue from, given once as above.
 # Needs this checkout's .venv (make setup); the clone imports its own src/ through PYTHONPATH.
+# QKLAB_WORKERS: cells at a time (default 2; a study continued with another count trains the same cells).
 set -euo pipefail
 study=${1:?usage: scripts/run_study.sh STUDY [COMMIT]}
 root=$(git rev-parse --show-toplevel)
@@ -46,7 +47,7 @@ fi
 [ "$(git -C "$clone" rev-parse HEAD)" = "$commit" ] || { echo "error: $clone is not at $commit" >&2; exit 2; }
 echo "study $study from commit ${commit:0:12} in $clone; results in $results"
 (cd "$clone" && env -u QKLAB_ALLOW_DIRTY PYTHONPATH="$clone/src" "$py" -m qklab study run "studies/$study.toml" \
-   --workers 2 --results "$results" --out "$runs/$study") &
+   --workers "${QKLAB_WORKERS:-2}" --results "$results" --out "$runs/$study") &
 run=$!
 mkdir -p "$results"
 interval=${QKLAB_COMMIT_INTERVAL:-120}

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from qklab.study import load_study
-from qklab.study.spec import parse_study
+from qklab.study.spec import batch_order_seed, parse_study
 
 STUDIES = sorted((Path(__file__).parents[2] / "studies").glob("*.toml"))
 
@@ -18,7 +18,7 @@ def test_study_file_is_valid(path):
     assert s.cells and len({c.id for c in s.cells}) == len(s.cells)
     for c in s.cells:
         cfg = c.cfg
-        assert cfg.train.seed == c.seed and cfg.train.data_seed == s.protocol.data_seed
+        assert cfg.train.seed == c.seed and cfg.train.data_seed == batch_order_seed(s.protocol, c.seed)
 
 
 def test_demo_covers_every_method_family():

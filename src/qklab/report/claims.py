@@ -18,8 +18,20 @@ from typing import Any
 
 import numpy as np
 
+from qklab.report.scale_claims import MEASURES as SCALE_MEASURES
+from qklab.report import controls
 from qklab.study.analyze import best_by_place, highest_within, place
-from qklab.study.plan import CATALOGUE, defaults, design, registered_design, registered_plan, stored_plan
+from qklab.study.plan import (
+    CATALOGUE,
+    OWN_CLAIMS,
+    OWN_PAPERS,
+    T_TEST,
+    defaults,
+    design,
+    registered_design,
+    registered_plan,
+    stored_plan,
+)
 from qklab.study.stats import benjamini_hochberg, difference_stats, fmt_ci, holm, min_seeds, paired_difference
 
 COMPETITIVE_MARGIN = 0.05  # nats: "competitive" = not worse by more than this (upper 95% bound)
@@ -341,8 +353,17 @@ def _width_gap(a: tuple, b: tuple) -> Callable:
     return test
 
 
-def _new_verdict(old: str, reason: str, st: dict | None, p_holm: float, alpha: float = ALPHA) -> tuple[str, str]:
-    """VERDICT_RULE, from the old rule's verdict and reason, the claim's statistics and its Holm p."""
+def _new_verdict(old: str, reason: str, st: dict | None, p_holm: float, alpha: float = ALPHA,
+                 test: str | None = None) -> tuple[str, str]:
+    """VERDICT_RULE, from the old rule's verdict and reason, the claim's statistics and its Holm p (of the
+    t-test's p for a claim registered with test = "t")."""
+    if test == T_TEST and st is not None and old != "not measurable" and st["n"] >= 2:
+        side = "below" if st["ci_hi"] < st["margin"] else "above" if st["ci_lo"] > st["margin"] else None
+        if p_holm < alpha and side:
+            return ("agree" if side == "below" else "disagree"), (
+                f"paired t-test, Holm p = {p_holm:.3g} < {alpha:g}: {reason}")
+        return "inconclusive", (f"paired t-test, Holm p = {p_holm:.3g} is not below {alpha:g}" if p_holm >= alpha
+                                else f"paired t-test: {reason}")
     verdict, why = _new_verdict_raw(old, reason, st, p_holm, alpha)
     return verdict, (_as_ratio(why) if st and st.get("log_ratio") and st["n"] >= min_seeds(alpha) else why)
 
@@ -378,6 +399,8 @@ MEASURE: dict[str, Callable] = {
     "qkmap.first_token_vs_gate": _less(QKMAP, (MHA, "none+gate-head", "none"), "first_token", "first-token attention"),
     "qkmap.input_scale": _probe_claim("magnitude_js_a4", QKMAP, QKN, higher=True),
     "qkmap.evidence": _probe_claim("log_contrast", QKMAP, STD, higher=True),
+    "qkmap.evidence_vs_qknorm": _probe_claim("log_contrast", QKMAP, QKN, higher=True),
+    "control.retrieval_learned": controls.accuracy_control(STD),
     "quack.stable_mha": _stable_rate(QUACK, STD),
     "quack.stable_mla": _stable_rate(MLA_QUACK, MLA_STD),
     "quack.vs_qkclip_stable_mha": _stable_rate(QUACK, (MHA, "none", "qkclip")),
@@ -392,6 +415,7 @@ MEASURE: dict[str, Callable] = {
     "quack.logits_mha": _logits_at_same_rate(QUACK, STD),
     "quack.logits_mla": _logits_at_same_rate(MLA_QUACK, MLA_STD),
     "quack.width_gap": _width_gap(QUACK, STD),
+    **SCALE_MEASURES,
 }
 assert MEASURE.keys() == CATALOGUE.keys()
 
@@ -418,12 +442,18 @@ def _scope(kind: str, p: dict) -> tuple[str, str]:
         return ("The paired ratio of the final max attention logit at the same base rate." if p.get("rate") !=
                 "tuned" else "The paired ratio of the final max attention logit, each at its tuned rate.",
                 f"It does not show whether the smaller logits change the loss, nor {scale}.")
+    if kind == "control":
+        return controls.scope(p)
     if kind == "stable":
         rule = {"delta": f"its mean selection loss within {p.get('delta', 0.1):g} nats of its own best",
                 "near-best": f"its mean selection loss within {p.get('delta', 0.1):g} nats of the best method's"
                 }.get(p.get("stable"), "no seed ending above the unigram entropy")
         return (f"The highest rate of the grid that holds ({rule}).",
                 "It is a grid reading, not a test over seeds; it does not show stability beyond the grid.")
+    if kind == "scale":
+        return ("A slope per seed across the study's widths (or rates), tested over seeds (paired where it is a "
+                "difference to `none`).", "It does not show the trend beyond the widths run, nor after more "
+                "training than the study's (early training: a fixed number of steps at every width).")
     if kind == "width":
         return ("How the gap at the chosen rate changes from the narrowest to the widest width of the ladder.",
                 "It does not show the trend beyond the widths run.")
@@ -450,6 +480,8 @@ def _table(groups: list[dict], plans: dict[str, dict] | None) -> list[dict[str, 
     rows = []
     for cid in CATALOGUE:
         regs = sorted((s, pl[cid]) for s, pl in (plans or {}).items() if pl and cid in pl)
+        if not regs and (CATALOGUE[cid][0] in OWN_PAPERS or cid in OWN_CLAIMS):  # a study's own claim: listed where registered
+            continue
         if regs:
             rows.append(_row(cid, groups, regs[0][1], regs[0][0], True))
             rows[-1]["also_registered_by"] = [s for s, _ in regs[1:]]
@@ -457,7 +489,7 @@ def _table(groups: list[dict], plans: dict[str, dict] | None) -> list[dict[str, 
             rows.append(_row(cid, groups, defaults(cid), None, plans is None))
     for family in dict.fromkeys(r["family"] for r in rows):
         fam = [r for r in rows if r["family"] == family and r["stats"] is not None and r["status"] == "confirmatory"]
-        ps = [r["stats"]["p_flip"] for r in fam]
+        ps = [r["stats"]["p" if r["params"].get("test") == T_TEST else "p_flip"] for r in fam]
         for r, h, q in zip(fam, holm(ps), benjamini_hochberg(ps), strict=True):
             r["p_holm"], r["q_bh"] = h, q
     for r in rows:
@@ -466,8 +498,8 @@ def _table(groups: list[dict], plans: dict[str, dict] | None) -> list[dict[str, 
             r["reason"] = "not registered in any study's [claims]: the numbers describe, they do not test"
         else:
             r["verdict"], r["reason"] = _new_verdict(r["verdict_old"], r["reason_old"], r["stats"], r["p_holm"],
-                                                     r["alpha"])
-    return rows
+                                                     r["alpha"], r["params"].get("test"))
+    return controls.gate(rows)
 
 
 def claims_table(groups: list[dict[str, Any]], studies: dict[str, dict] | None = None,

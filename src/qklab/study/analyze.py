@@ -284,6 +284,8 @@ def _group(key: tuple, rs: list[dict]) -> dict[str, Any]:
             "controller": _controller(first.get("controller"), cfg.get("train", {})),
             "qk_options": cfg.get("qk", {}).get("options", {}),  # e.g. {"quack": {"tau": 0.1, ...}}
             "seq_len": cfg.get("train", {}).get("seq_len"), "d_model": cfg.get("model", {}).get("d_model"),
+            "n_params": first.get("n_params"), "vocab_size": cfg.get("model", {}).get("vocab_size"),
+            "tie_embeddings": cfg.get("model", {}).get("tie_embeddings", True),
             "n_cells": len(rs),
             "failed": [{"cell": r["cell"], "failure": r.get("failure"), "log": r.get("log")}
                        for r in rs if r["status"] == "failed"],

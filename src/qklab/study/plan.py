@@ -37,8 +37,8 @@ from typing import Any
 
 from qklab.config import ConfigError
 
-SIGN_FLIP, GRID = "sign-flip", "grid"
-QKMAP_FAMILY, QUACK_FAMILY = "QK-MAP", "QuacK"
+SIGN_FLIP, GRID, T_TEST = "sign-flip", "grid", "t"
+QKMAP_FAMILY, QUACK_FAMILY, SCALE_FAMILY = "QK-MAP", "QuacK", "Scale"
 
 # kind -> the parameters a claim of that kind takes, with their defaults and allowed values (None: any
 # number >= 0 / any positive int / any non-empty string, by the default's type)
@@ -46,13 +46,18 @@ _COMMON = {"alpha": 0.05, "test": SIGN_FLIP, "family": ""}
 KINDS: dict[str, dict[str, Any]] = {
     "loss": {**_COMMON, "rate": "tuned", "margin": 0.0, "pairing": "best"},
     "probe": {**_COMMON, "rate": "tuned", "margin": 0.0, "context": 0},  # context: tokens (0: the training length)
+    # a positive control (report/controls.py): the task is learned at all; no test over seeds, no family
+    "control": {"threshold": 0.9, "context": 0},
     "logits": {**_COMMON, "rate": "highest-shared-stable"},
     "stable": {"test": GRID, "stable": "delta", "delta": 0.1, "family": ""},
     "width": {**_COMMON, "rate": "tuned"},
+    # across a width ladder, per seed: a slope over the widths (or the rates), paired over seeds; the paired
+    # t-test is the default, since with 3 seeds the exact sign-flip test cannot go below p = 0.25
+    "scale": {**_COMMON, "test": T_TEST},
     "elsewhere": {},
 }
 CHOICES = {"test": {"loss": [SIGN_FLIP], "probe": [SIGN_FLIP], "logits": [SIGN_FLIP], "width": [SIGN_FLIP],
-                    "stable": [GRID]},
+                    "stable": [GRID], "scale": [T_TEST, SIGN_FLIP]},
            "rate": {"loss": ["tuned"], "probe": ["tuned"], "width": ["tuned"],
                     "logits": ["highest-shared-stable", "tuned"]},
            "pairing": {"loss": ["best", "same-tau"]},
@@ -79,6 +84,14 @@ CATALOGUE: dict[str, tuple[str, str, str, str]] = {
     "qkmap.evidence": ("QK-MAP", "probe", "stronger attention contrast on relevant evidence at long context",
                        "probe: retrieval evidence log-contrast at the registered context (default: the training "
                        "length)"),
+    "qkmap.evidence_vs_qknorm": ("QK-MAP", "probe", "stronger attention contrast on relevant evidence at long "
+                                 "context than QK-Norm",
+                                 "probe: retrieval evidence log-contrast at the registered context (default: the "
+                                 "training length), QK-MAP minus QK-Norm"),
+    "control.retrieval_learned": ("control", "control", "positive control: Standard attention learns the retrieval "
+                                  "task",
+                                  "probe: retrieval accuracy of `none` at its tuned rate, mean over seeds, at the "
+                                  "registered context (default: the training length), against the threshold"),
     "quack.stable_mha": ("QuacK", "stable", "allows a higher base learning rate than no intervention (MHA)",
                          "highest rate of the grid that holds, by the registered stability rule"),
     "quack.stable_mla": ("QuacK", "stable", "allows a higher base learning rate than no intervention (MLA)",
@@ -108,9 +121,36 @@ CATALOGUE: dict[str, tuple[str, str, str, str]] = {
                          "each at its tuned rate)"),
     "quack.width_gap": ("QuacK", "width", "its advantage over no intervention grows with width (the paper's argument)",
                         "report-loss gap none - quack at the widest minus the narrowest width, paired over seeds"),
+    # A study's own claims about how behaviour changes with scale (Wortsman et al. 2023, arXiv 2309.14322):
+    # listed in a claims table only where a study registers them. LR sensitivity of a method at a width and
+    # seed: the mean over the rate grid of min(L(eta), L0) - L*, report-split losses, L0 = ln(vocab) (the loss
+    # at initialisation), L* the best over the grid (study.sensitivity).
+    "scale.control_logit_rate": (SCALE_FAMILY, "scale", "positive control: without a QK method the max attention "
+                                 "logit grows with the learning rate",
+                                 "`none`: slope of log10 final max logit against log2 rate over each width's grid, "
+                                 "mean over widths, per seed (> 0)"),
+    "scale.control_logit_width": (SCALE_FAMILY, "scale", "positive control: without a QK method the max attention "
+                                  "logit grows with width",
+                                  "`none`: slope of log10 final max logit against log10 non-embedding parameters at "
+                                  "the highest rate every width ran, per seed (> 0)"),
 }
+
+
+def _slower(name: str, cid: str, control: bool = False) -> tuple[str, tuple[str, str, str, str]]:
+    """A catalogue entry: ``name``'s LR sensitivity grows less with width than `none`'s."""
+    text = f"{name}'s learning-rate sensitivity grows less with width than `none`'s"
+    return f"scale.{cid}_sensitivity", (SCALE_FAMILY, "scale", f"positive control: {text}" if control else text,
+                                         "slope of LR sensitivity against log10 non-embedding parameters, "
+                                         f"{name} minus `none`, paired over seeds (< 0)")
+
+
+CATALOGUE.update(dict([_slower("QK-Norm", "qknorm", control=True), _slower("QK-MAP", "qkmap"),
+                       _slower("QuacK", "quack"), _slower("QUEST", "quest")]))
+OWN_PAPERS = {SCALE_FAMILY}  # claims a claims table lists only where a study registers them
 CLAIM_DEFAULTS = {"quack.competitive_qknorm": {"margin": 0.05}, "quack.vs_multiplier": {"pairing": "same-tau"}}
 TABLE_KEYS = {"alpha", "test", "delta", "stable", "rate"}  # [claims] scalars: defaults for the claims below
+# claims a claims table lists only where a study registers them (studies/evidence_mqar.toml)
+OWN_CLAIMS = {"qkmap.evidence_vs_qknorm", "control.retrieval_learned"}
 
 
 def defaults(cid: str) -> dict[str, Any]:

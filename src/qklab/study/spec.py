@@ -24,7 +24,8 @@
     lr_mults = [0.5, 1, 2]           # each variant's own grid, in multiples of its own base rate
     lr_mults_for = { qkmap = [1, 2, 4] }
     lr_key = "train.lr"
-    data_seed = 0                    # every cell sees the same batches in the same order
+    data_seed = 0                    # every cell sees the same batches in the same order; "seed": each
+                                     # cell's batch order is its own seed's (train.data_seed = the seed)
     probe = 0                        # attention probes on each finished cell, contexts up to N training lengths
 
 A cell is one plain training run. Its id names the variant, grid point, rate multiple and seed; its
@@ -59,7 +60,7 @@ class Protocol:
     lr_mults: list[float] = field(default_factory=lambda: [1.0])
     lr_mults_for: dict[str, list[float]] = field(default_factory=dict)
     lr_key: str = "train.lr"
-    data_seed: int = 0
+    data_seed: int | str = 0  # a seed (the same batches in every cell), -1 or "seed" (each seed its own order)
     probe: int = 0  # 0: none; N: qklab probe on each finished cell, contexts up to N training lengths
     reuse: list[str] = field(default_factory=list)  # other studies' result folders: same config, not rerun
 
@@ -202,6 +203,15 @@ def _computing(cfg: RunConfig) -> dict[str, Any]:
     return d
 
 
+SEED_ORDER = "seed"  # [protocol] data_seed: each cell's batch order follows its seed
+
+
+def batch_order_seed(p: Protocol, seed: int) -> int:
+    """A cell's ``train.data_seed``: the protocol's, or, for ``data_seed = "seed"``, the cell's own seed
+    (set explicitly, so that seed 0's cells have the config, and hash, of a study fixing data_seed = 0)."""
+    return seed if p.data_seed == SEED_ORDER else int(p.data_seed)
+
+
 def _need(cond: bool, where: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{where}: {msg}")
@@ -278,8 +288,9 @@ def parse_study(raw: dict[str, Any], name: str, path: Path | None = None, note=N
           f"{proto.reuse!r}: use a list of result folders, e.g. [\"docs/results/logit_control_cpu\"]")
     _need(type(proto.probe) is int and proto.probe >= 0, "[protocol] probe",
           f"{proto.probe!r}: use 0 (no probes) or N >= 1 (probe contexts up to N training lengths)")
-    _need(type(proto.data_seed) is int and proto.data_seed >= -1, "[protocol] data_seed",
-          "use a seed >= 0 (the same batches in every cell) or -1 (each seed its own order)")
+    _need((type(proto.data_seed) is int and proto.data_seed >= -1) or proto.data_seed == SEED_ORDER,
+          "[protocol] data_seed", f"{proto.data_seed!r}: use a seed >= 0 (the same batches in every cell), -1 or "
+          f"\"{SEED_ORDER}\" (each seed its own order; \"{SEED_ORDER}\" names it in the cell's config)")
     study = Study(name, path, preset, list(seeds), every_cell, grid, variants, proto, workers,
                   plan=parse_plan(raw.get("claims")))
     n = len(seeds) * math.prod(len(v) for v in grid.values()) * sum(len(proto.mults(v)) for v in variants)
@@ -315,7 +326,7 @@ def expand(study: Study) -> list[Cell]:
                                     f"lr{mult:g}", f"s{seed}"])
                     cfg = copy.deepcopy(base)
                     setattr(getattr(cfg, lr_sec), lr_field, rate * mult)
-                    cfg.train.seed, cfg.train.data_seed = seed, p.data_seed
+                    cfg.train.seed, cfg.train.data_seed = seed, batch_order_seed(p, seed)
                     try:
                         check_run_name(cid, "cell id")  # the name of the cell's run folder
                         cfg.validate()

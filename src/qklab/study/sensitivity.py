@@ -1,0 +1,123 @@
+"""Learning-rate sensitivity and trends across scale (Wortsman et al. 2023, "Small-scale proxies for
+large-scale Transformer training instabilities", arXiv 2309.14322).
+
+* LR sensitivity of a method at one width and seed: the mean over the rate grid of min(L(eta), L0) - L*,
+  L(eta) the final report-split loss at rate eta, L0 the loss at initialisation, L* the best loss over the
+  grid (min over eta of min(L(eta), L0)). Here L0 = ln(vocabulary): at initialisation the model's output
+  logits are within a few hundredths of zero (init std 0.02, tied embeddings), so its loss is that of the
+  uniform distribution; a cell that diverged or stopped non-finite counts as L0. A seed counts only where
+  every rate of its grid finished.
+* Size: non-embedding parameters (the count the result records less the token embedding, once if tied,
+  twice if not), as Wortsman et al. count them.
+* Trends: a least-squares slope per seed against log10 of that size, so that a method's slope minus
+  ``none``'s is paired over seeds. LR sensitivity is fitted log-linear (nats against log10 N): it is a
+  difference of losses that can be near zero, where a logarithm would blow its noise up; the max attention
+  logit and the tuned rate are fitted log-log (both positive and spanning decades, and a power law in N is
+  what a width ladder predicts for the tuned rate).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from qklab.study.result import load_result, num
+
+
+def lr_sensitivity(losses: Sequence[float], l0: float) -> float:
+    """Mean over the grid of min(L, L0) - L*, with L* = min over the grid of min(L, L0); a non-finite loss
+    counts as L0. NaN for an empty grid."""
+    if not losses:
+        return float("nan")
+    capped = [min(x, l0) if math.isfinite(x) else l0 for x in losses]
+    best = min(capped)
+    return sum(x - best for x in capped) / len(capped)
+
+
+def slope(x: Sequence[float], y: Sequence[float]) -> float:
+    """Least-squares slope of y on x (NaN with fewer than two distinct x or a non-finite value)."""
+    xa, ya = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if xa.size < 2 or not (np.isfinite(xa).all() and np.isfinite(ya).all()) or np.ptp(xa) == 0:
+        return float("nan")
+    xc = xa - xa.mean()
+    return float((xc * (ya - ya.mean())).sum() / (xc * xc).sum())
+
+
+def non_embedding(n_params: float, vocab: float, d_model: float, tied: bool = True) -> float:
+    """Parameters less the token embedding (and the output head when it is not tied to it)."""
+    return float(n_params) - float(vocab) * float(d_model) * (1 if tied else 2)
+
+
+def group_size(g: Mapping) -> float:
+    """A group's non-embedding parameter count (NaN when its results do not say)."""
+    n, v, d = g.get("n_params"), g.get("vocab_size"), g.get("d_model")
+    if not (n and v and d):
+        return float("nan")
+    return non_embedding(n, v, d, bool(g.get("tie_embeddings", True)))
+
+
+def grid_report(g: dict) -> dict[float, dict[int, float]]:
+    """rate multiple -> seed -> final report-split loss of every finished cell of an analysed group
+    (``analyze._group``), read from its result files after the rate was chosen (``analyze`` reads the report
+    split at the chosen rate only); kept on the group as ``grid_report`` (given there, it is used as is)."""
+    if "grid_report" not in g:
+        out: dict[float, dict[int, float]] = {}
+        for m, cells in g.get("cells", {}).items():
+            for c in cells:
+                res, _ = load_result(Path(c["path"])) if c.get("path") else (None, None)
+                if res is not None and res.get("status") != "failed":
+                    out.setdefault(float(m), {})[int(c["seed"])] = num((res.get("final") or {}).get("report_loss"))
+        g["grid_report"] = out
+    return g["grid_report"]
+
+
+def group_sensitivity(g: dict) -> dict[int, float]:
+    """seed -> LR sensitivity of an analysed group over its whole rate grid (``grid_report``), for the seeds
+    with a finished cell at every rate; L0 = ln(vocab)."""
+    grid = grid_report(g)
+    if not grid or not g.get("vocab_size"):
+        return {}
+    l0 = math.log(float(g["vocab_size"]))
+    by_rate = [grid.get(m, {}) for m in sorted(g["sweep"])]
+    seeds = set.intersection(*(set(r) for r in by_rate)) if by_rate else set()
+    return {s: lr_sensitivity([r[s] for r in by_rate], l0) for s in sorted(seeds)}
+
+
+@dataclass(frozen=True)
+class Trend:
+    """A per-seed slope of y against log10(size) and its spread: ``by_seed`` seed -> slope; ``mean`` the
+    slope of the seed-mean curve; ``boot`` its percentile bootstrap interval (seeds resampled with
+    replacement independently at each size)."""
+
+    by_seed: dict[int, float]
+    mean: float
+    boot_lo: float
+    boot_hi: float
+    intercept: float  # of the seed-mean fit: y = intercept + mean * log10(size)
+
+
+def trend(sizes: Sequence[float], values: Sequence[Mapping[int, float]], log_y: bool = False,
+          n_boot: int = 2000, seed: int = 0, confidence: float = 0.95) -> Trend:
+    """The slope of ``values`` (one seed -> value map per size) against log10(size); log10 of the values
+    too with ``log_y``. Per seed over the seeds every size has; the bootstrap resamples each size's seeds."""
+    xs = np.log10(np.asarray(sizes, dtype=np.float64))
+    tf = (lambda v: math.log10(v) if v > 0 else float("nan")) if log_y else float
+    vals = [{s: tf(v) for s, v in m.items()} for m in values]
+    common = sorted(set.intersection(*(set(m) for m in vals))) if vals else []
+    by_seed = {s: slope(xs, [m[s] for m in vals]) for s in common}
+    means = [np.mean(list(m.values())) if m else float("nan") for m in vals]
+    mean = slope(xs, means)
+    intercept = float(np.mean(means) - mean * xs.mean()) if math.isfinite(mean) else float("nan")
+    rng = np.random.default_rng(seed)
+    arrays = [np.asarray(list(m.values()), dtype=np.float64) for m in vals]
+    lo = hi = float("nan")
+    if arrays and all(a.size >= 2 for a in arrays) and math.isfinite(mean):
+        draws = np.stack([a[rng.integers(0, a.size, size=(n_boot, a.size))].mean(axis=1) for a in arrays], axis=1)
+        xc = xs - xs.mean()
+        slopes = ((draws - draws.mean(axis=1, keepdims=True)) * xc).sum(axis=1) / (xc * xc).sum()
+        lo, hi = (float(q) for q in np.quantile(slopes, [0.5 - confidence / 2, 0.5 + confidence / 2]))
+    return Trend(by_seed, mean, lo, hi, intercept)
