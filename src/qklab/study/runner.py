@@ -171,7 +171,8 @@ def _check_owner(study: Study, results: Path) -> None:
                           f"'{study.name}'; give another --results")
 
 
-KEPT = ("code", "plan", "plan_history")  # study.json entries the runner keeps (not the study file's)
+# study.json entries the runner keeps (not the study file's); predictions: a committed predictions file's hash
+KEPT = ("code", "plan", "plan_history", "predictions")
 
 
 def n_results(results: Path) -> int:
