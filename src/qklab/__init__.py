@@ -4,8 +4,12 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """``qklab.attach``, ``qklab.load_run`` and ``qklab.hf``, imported on first use (transformers stays
-    optional, ``qklab --version`` imports no torch)."""
+    """``qklab.attach``, ``qklab.QK``, ``qklab.load_run`` and ``qklab.hf``, imported on first use (transformers
+    stays optional, ``qklab --version`` imports no torch)."""
+    if name == "QK":
+        from qklab.model.qk import QK
+
+        return QK
     if name == "load_run":
         from qklab.rundir.load import load_run
 

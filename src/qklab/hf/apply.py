@@ -48,8 +48,9 @@ from qklab import __version__
 from qklab.config import from_dict
 from qklab.errors import ConfigError
 from qklab.hf.attention import QKAttentionMixin, QKDeepSeekMixin, use_qklab_attention
-from qklab.methods import CONTROLLERS, METHODS, AttnShape, QKMethod
+from qklab.methods import METHODS, AttnShape, QKMethod
 from qklab.methods.base import NoOptions
+from qklab.methods.build import method_options  # noqa: F401 -- qklab.hf.apply.method_options, as before
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 GATES = ("none", "head", "element")  # qklab's model.attn_gate
@@ -102,30 +103,6 @@ def adopt_twin(model: nn.Module) -> None:
     if family in CLASSES and type(model) is not twin_model(family):
         model.config.__class__ = twin_config(family)
         model.__class__ = twin_model(family)
-
-
-def method_options(method: str, options: dict, controller: bool = False) -> object:
-    """The Options dataclass of a forward-side method (``controller``: an optimizer-side controller) from
-    keyword options, checked; a name of the other kind is one line saying which call takes it."""
-    want, other = (CONTROLLERS, METHODS) if controller else (METHODS, CONTROLLERS)
-    if method not in want:
-        hint = ((f"; '{method}' is a forward-side method: qklab.hf.apply(model, '{method}')" if controller else
-                 f"; '{method}' is an optimizer-side controller: qklab.attach(model, optimizer, '{method}')")
-                if method in other else "")
-        raise ConfigError(f"unknown QK {'controller' if controller else 'method'} '{method}'; choose one of "
-                          f"{', '.join(sorted(want))}{hint}")
-    cls = want[method].Options
-    known = {f.name for f in dataclasses.fields(cls)}
-    bad = sorted(set(options) - known)
-    if bad:
-        raise ConfigError(f"{method} has no option {', '.join(bad)}; known: {', '.join(sorted(known)) or 'none'}")
-    try:
-        opts = cls(**options)
-        if hasattr(opts, "validate"):
-            opts.validate()
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return opts
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:

@@ -70,6 +70,9 @@ class Attached:
         """Measure per-head max logits from the next forward on, or stop (QK-clip always measures). A
         transformers model runs qklab's attention function while measuring, its own otherwise."""
         on = on or self.needs_logits
+        refused = next((layer.refusal for layer in self.qk_layers if layer.refusal), "")
+        if on and refused:
+            raise ConfigError(refused)
         for layer in self.qk_layers:
             layer.track_max_logit = on
         if self.switch is not None:
@@ -227,6 +230,7 @@ def attach(model: nn.Module, optimizer: torch.optim.Optimizer, controller: str,
     switch = None
     if layers is None:
         switch = AttnSwitch(model)  # the model on qklab's attention function (for now)
-        for layer in qk_layers:
-            layer.module.qk_layer = layer  # the registered attention function feeds its tracker
+    for layer in qk_layers:
+        if layers is None or layer.fed:
+            layer.module.qk_layer = layer  # the registered attention function or the qklab.QK feeds its tracker
     return Attached(model, optimizer, controller, qk_layers, opts, hooks, track, switch)

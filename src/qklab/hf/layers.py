@@ -27,6 +27,7 @@ from qklab.methods.base import NoOptions
 from qklab.methods.qknorm import QKNorm, QKNormOptions
 from qklab.methods.standard import Standard
 from qklab.model.attention import head_max_logit
+from qklab.model.qk import QK
 
 
 class QKLayer(LayerTracker):
@@ -41,6 +42,8 @@ class QKLayer(LayerTracker):
         d = next(w for w in weights.values() if w is not None).shape[1]
         self.qk = qk or Standard(AttnShape(0, n_heads, n_kv_heads, d, 0, 1), NoOptions())
         self.hooks: list = []  # forward hooks that feed the tracker (LayerSpec layers)
+        self.refusal = ""  # why this layer's max logits cannot be measured ("" where they can)
+        self.fed = False  # True: the module (a qklab.QK) feeds the tracker through its qk_layer attribute
         self.biases: dict[str, torch.Tensor] = {}  # "wq"/"wk" -> (n_heads, rows) view of that projection's bias
         for k, w in weights.items():  # wq -> an object with .weight, as qklab's nn.Linear layers
             setattr(self, k, None if w is None else SimpleNamespace(weight=w))
@@ -52,10 +55,22 @@ class LayerSpec:
 
     ``q`` and ``k`` name parameters, optionally with a row range for fused matrices:
     ``"h.0.attn.c_attn.weight[0:768]"``. ``transposed``: the weight is stored (in, out) (GPT-2's Conv1D),
-    so the range selects columns. Max logits (QK-clip, logging) are computed from the outputs of the
-    modules owning q and k, i.e. of the projections: exact for models whose positions do not rotate q and k
-    after them (learned or no position embeddings); RoPE models call ``layer.observe`` themselves or use
-    ``track=False``."""
+    so the range selects columns.
+
+    ``logits``: where the q and k of the logits are formed, for the max logits (QK-clip, logging):
+    * ``"projections"``: the projections' outputs reach the dot product as they are (learned or no position
+      embeddings, no norm after them);
+    * the name of a ``qklab.QK`` module: the logits of the q and k it returns, with its method's rewrite
+      (and its method decides what QK-clip does, as in qklab's own attention);
+    * the name of any other module called as f(q, k, ...) on the final q and k (an SDPA wrapper): a hook
+      reads them, ``layout`` "bhtd" (B, H, T, D) or "bthd" (B, T, H, D), the ``scale`` keyword or 1/sqrt(D);
+    * ``""`` (default): a ``qklab.QK`` module inside the layer's attention module if there is one, else the
+      projections, unless the model rotates q and k (a module, parameter or buffer named like RoPE): then
+      measuring is refused in one line, since the projections' outputs are not what the logits see.
+    ``qk_norm``: whether a norm on q and k sits in the attention (then QK-clip is refused: scaling W_Q and
+    W_K does not change normalised logits); None: detected (a module named like q_norm or k_ln inside the
+    attention module, outside any ``qklab.QK``). ``attn``: the attention module's name (default: the deepest
+    module holding both projections; for a fused matrix, the one above its owner)."""
 
     q: str
     k: str
@@ -64,6 +79,10 @@ class LayerSpec:
     transposed: bool = False
     causal: bool = True
     track: bool = True
+    logits: str = ""
+    layout: str = "bhtd"
+    qk_norm: bool | None = None
+    attn: str = ""
 
 
 _RANGE = re.compile(r"^(?P<name>[\w.]+?)(\[(?P<a>\d+):(?P<b>\d+)\])?$")
@@ -100,7 +119,7 @@ def _owner(model: nn.Module, name: str) -> nn.Module:
 
 
 def spec_layer(model: nn.Module, spec: LayerSpec, index: int) -> QKLayer:
-    """Build a QKLayer from an explicit LayerSpec; hooks its projections for max logits when asked."""
+    """Build a QKLayer from an explicit LayerSpec; hooks where its logits are formed (``LayerSpec.logits``)."""
     params = dict(model.named_parameters())
     (qn, qs), (kn, ks) = _parse(spec.q), _parse(spec.k)
     for n in (qn, kn):
@@ -109,17 +128,116 @@ def spec_layer(model: nn.Module, spec: LayerSpec, index: int) -> QKLayer:
     Hkv = spec.n_kv_heads or spec.n_heads
     if spec.n_heads % Hkv:
         raise ConfigError(f"layer {index}: n_kv_heads={Hkv} must divide n_heads={spec.n_heads}")
+    if spec.layout not in ("bhtd", "bthd"):
+        raise ConfigError(f"layer {index}: layout={spec.layout!r}: use bhtd or bthd")
     wq = _head_view(params[qn], qs, spec.n_heads, spec.transposed)
     wk = _head_view(params[kn], ks, Hkv, spec.transposed)
     qmod, kmod = _owner(model, qn), _owner(model, kn)
-    layer = QKLayer(f"layer{index}", qmod, spec.n_heads, Hkv, {"wq": wq, "wk": wk})
+    attn_name = spec.attn or _attention_name(qn, kn)
+    source, where = _logit_source(model, spec, attn_name, index)
+    qk = source.method if isinstance(source, QK) else None
+    layer = QKLayer(f"layer{index}", source if isinstance(source, QK) else qmod, spec.n_heads, Hkv,
+                    {"wq": wq, "wk": wk}, qk)
     for key, name, sl, n in (("wq", qn, qs, spec.n_heads), ("wk", kn, ks, Hkv)):
         bias = params.get(name.removesuffix("weight") + "bias") if name.endswith("weight") else None
         if bias is not None:
             layer.biases[key] = _bias_view(bias, sl, n)
-    if spec.track:
+    norm = _qk_norm(model, attn_name) if spec.qk_norm is None else ("(stated)" if spec.qk_norm else "")
+    if norm and qk is None:  # QK-clip is refused on it, as on a transformers family's own QK-Norm
+        layer.qk = QKNorm(AttnShape(0, spec.n_heads, Hkv, wq.shape[1], 0, 1), QKNormOptions())
+    if not spec.track:
+        return layer
+    if isinstance(source, QK):
+        layer.fed = True  # attach sets source.qk_layer: its forward feeds the tracker
+    elif isinstance(source, nn.Module):
+        _hook_logits(layer, source, spec)
+    elif source == "projections":
         _hook_projections(layer, qmod, kmod, qs, ks, wq.shape[1], spec.causal)
+    layer.refusal = where
     return layer
+
+
+def _attention_name(qn: str, kn: str) -> str:
+    """The deepest module holding both parameters; the one above it when both are in one module (fused)."""
+    a, b = qn.split(".")[:-1], kn.split(".")[:-1]
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    if a == b:
+        n -= 1
+    return ".".join(a[:max(n, 0)])
+
+
+def _logit_source(model: nn.Module, spec: LayerSpec, attn_name: str, index: int) -> tuple[object, str]:
+    """(a qklab.QK, another module, "projections" or None, and the one-line reason measuring is refused, or "")."""
+    if spec.logits == "projections":
+        return "projections", ""
+    if spec.logits:
+        try:
+            return model.get_submodule(spec.logits), ""
+        except AttributeError:
+            raise ConfigError(f"layer {index}: no module '{spec.logits}' in {type(model).__name__} "
+                              "(LayerSpec.logits)") from None
+    attn = model.get_submodule(attn_name) if attn_name else model
+    found = [m for m in attn.modules() if isinstance(m, QK)]
+    if len(found) == 1:
+        return found[0], ""
+    rot = _rotary_name(model)
+    if len(found) > 1 or rot:
+        why = (f"{len(found)} qklab.QK modules in '{attn_name}'" if found else
+               f"the model rotates q and k after the projections ('{rot}')")
+        return None, (f"layer {index}: cannot measure its logits: {why}; name where they are formed: "
+                      "LayerSpec(logits='<the qklab.QK module, or the module called on the final q and k>'), or "
+                      "logits='projections' if the projections' outputs are what the dot product sees")
+    return "projections", ""
+
+
+def _rotary_name(model: nn.Module) -> str:
+    """The name of the first module, parameter or buffer that looks like RoPE (a rotary embedding), or ""."""
+    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_buffers()]
+    names += [type(m).__name__ for m in model.modules()]
+    return next((n for n in names if _ROTARY.search(n)), "")
+
+
+_ROTARY = re.compile(r"(?i)rope|rotary|freqs_cis|inv_freq")
+
+
+def _qk_norm(model: nn.Module, attn_name: str) -> str:
+    """The name of a norm module on q or k (named like q_norm, k_ln, query_layernorm) inside the attention
+    module (the model itself when the projections sit at its top), outside any qklab.QK; or ""."""
+    attn = model.get_submodule(attn_name) if attn_name else model
+    inside_qk = {id(m) for q in attn.modules() if isinstance(q, QK) for m in q.modules()}
+    for name, m in attn.named_modules():
+        if id(m) not in inside_qk and _QK_NORM.search(name) and isinstance(m, nn.Module) and not m._modules:
+            return f"{attn_name}.{name}" if attn_name else name
+    return ""
+
+
+_QK_NORM = re.compile(r"(?i)(^|[._])(q|k|qk|query|key)_?(norm|ln|layernorm|layer_norm)$")
+
+
+def _hook_logits(layer: QKLayer, mod: nn.Module, spec: LayerSpec) -> None:
+    """A pre-hook on a module called as f(q, k, ...) on the final q and k: their per-head max logit."""
+    def hook(m, args, kwargs):
+        if not layer.tracking:
+            return
+        q = args[0] if args else kwargs.get("query", kwargs.get("q"))
+        k = args[1] if len(args) > 1 else kwargs.get("key", kwargs.get("k"))
+        if spec.layout == "bthd":
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D)
+        scale = kwargs.get("scale") or 1.0 / math.sqrt(q.shape[-1])
+        _track_qk(layer, q.detach(), k.detach(), scale, spec.causal)
+
+    layer.hooks = [mod.register_forward_pre_hook(hook, with_kwargs=True)]
+
+
+def _track_qk(layer: QKLayer, q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> None:
+    """q (B, H, T, d), k (B, Hkv, T, d): this forward's per-head max logit into the layer's tracker."""
+    if causal:
+        layer._track(head_max_logit(q, k, scale))
+    else:
+        k = k.repeat_interleave(layer.n_heads // layer.n_kv_heads, dim=1)
+        layer.observe((q @ k.transpose(-2, -1)) * scale, None)
 
 
 def _hook_projections(layer: QKLayer, qmod, kmod, qs, ks, d: int, causal: bool) -> None:
@@ -135,11 +253,7 @@ def _hook_projections(layer: QKLayer, qmod, kmod, qs, ks, d: int, causal: bool) 
                 B, T = q.shape[:2]
                 q = q.reshape(B, T, layer.n_heads, d).transpose(1, 2)  # (B, H, T, d)
                 k = k.reshape(B, T, layer.n_kv_heads, d).transpose(1, 2)  # (B, Hkv, T, d)
-                if causal:
-                    layer._track(head_max_logit(q, k, 1.0 / math.sqrt(d)))
-                else:
-                    k = k.repeat_interleave(layer.n_heads // layer.n_kv_heads, dim=1)
-                    layer.observe((q @ k.transpose(-2, -1)) / math.sqrt(d), None)
+                _track_qk(layer, q, k, 1.0 / math.sqrt(d), causal)
         return hook
 
     layer.hooks = [qmod.register_forward_hook(grab("q", qs)), kmod.register_forward_hook(grab("k", ks))]

@@ -7,11 +7,20 @@ A QK method is either forward-side or optimizer-side:
   softmax scale, and may rewrite the pre-softmax logits. A method that rewrites logits sets
   ``modifies_logits = True``; attention then never routes it through a fused kernel that would drop the
   rewrite.
+  What a method needs of RoPE is the ``Rope`` protocol below, always in the half-split layout (rotary
+  pairs (i, i + D/2)): qklab's own ``Rope``, the adapters of ``qklab.hf``, or a model's own RoPE through
+  ``qklab.model.user_rope`` (``qklab.QK``). A method whose map commutes with the rotation says so with
+  ``after_rope_refusal``.
 * ``QKController`` (optimizer-side) acts around ``optimizer.step()``: ``before_step`` may set per-head
   learning rates, ``after_step`` may rescale weights. Its state goes into checkpoints.
 
 Adding a method means one new file with a subclass (and its ``Options`` dataclass) plus one registry
-line in ``qklab.methods``.
+line in ``qklab.methods``. The subclass overrides what it changes, and nothing else: the widths
+(``proj_dim``, ``qk_in_dim``, ``feature_dim``, ``qk_init_std``), the maps (``map_input``, ``map_qk``, and
+``latent_map`` for MLA's latent cache), ``scale``, ``logits`` (with ``modifies_logits``) and ``raw_logit``,
+QK-clip's ``clip_refusal`` and ``clip_logits``, ``after_rope_refusal``, and its parameters'
+``reset_parameters`` and ``param_group``. Every user of a method (qklab's ``Attention`` and MLA,
+``qklab.QK`` in any PyTorch attention, ``qklab.hf``, ``qklab.integrations``) calls these alone.
 """
 
 from __future__ import annotations
@@ -151,6 +160,12 @@ class QKMethod(nn.Module):
         (B, Hkv, T, F), constant on the nope and on the rope features (the rope one equal for all heads,
         so MLA folds it into the cached rope key). The default (keys only rotated): RoPE(q), 1, 1."""
         return rope(q, pos), None, None
+
+    def after_rope_refusal(self) -> str:
+        """"" when the map of ``map_qk`` commutes with RoPE (map(RoPE(x)) = RoPE(map(x)) for q and k), so that
+        it may run on q and k a model has already rotated (``qklab.QK.after_rope``); else the one-line reason
+        it must sit before RoPE. The default (no map) commutes."""
+        return ""
 
     def clip_refusal(self, tau_clip: float) -> str:
         """QK-clip (qk.controller=qkclip) with this method: "" when it can bound the logits at

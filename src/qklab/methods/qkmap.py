@@ -227,6 +227,12 @@ class QKMap(QKMethod):
     def scale(self, feature_dim: int) -> float:
         return 1.0 / math.sqrt(feature_dim) if self.opts.variant == "input" else 1.0
 
+    def after_rope_refusal(self) -> str:
+        if self.opts.variant == "input":
+            return ""  # it maps x before the projections; q and k are only rotated
+        return ("qkmap must sit before RoPE (its periodic map of q and k does not commute with the rotation, and RoPE "
+                "turns the map's (cos, sin) pairs): call qk(q, k) on the projections' outputs")
+
     # --- stability signals ------------------------------------------------------------------------
     @torch.no_grad()
     def _keep(self, q: torch.Tensor, k: torch.Tensor) -> None:

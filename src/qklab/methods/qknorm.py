@@ -12,7 +12,8 @@ the rope part's RMS, that of the one shared rope key, is folded into the cached 
 value). Queries stay per head.
 
 Variants (options; the defaults are the QK-Norm above, computed exactly as before):
-* ``q_gain=false``: a parameter-free RMS on q, a learnable RMSNorm on k (DeepSeek-V4 style);
+* ``q_gain=false``: a parameter-free RMS on q, a learnable RMSNorm on k (DeepSeek-V4 style); ``k_gain=false``
+  likewise on k (both false: a parameter-free QK-Norm, which commutes with RoPE);
 * ``stats="flat"``: one statistic over all heads of a token (q over its H * d_head values, k over its
   Hkv * d_head values) instead of one per head (MLA latent cache: one key scalar per token);
 * ``gains="head"``: a gain vector per head (q: H * d_head entries, k: Hkv * d_head) instead of one shared
@@ -42,6 +43,8 @@ class QKNormOptions:
     stats: str = option("head", "the statistic per head, or over all of a token's heads", "head | flat", late=True)
     gains: str = option("shared", "one gain vector for all heads, or one per head", "shared | head", late=True)
     p: float = option(2.0, "the statistic (mean |x|^p)^(1/p); p != 2: a learnable logit scale", ">= 1", late=True)
+    k_gain: bool = option(True, "false: parameter-free RMS on k (with q_gain=false: a QK-Norm that commutes with RoPE)",
+                          late=True)
 
     def validate(self) -> None:
         if self.gain_init <= 0:
@@ -60,7 +63,7 @@ class QKNormOptions:
     @property
     def plain(self) -> bool:
         """The original QK-Norm (RMS, statistics per head, gains shared, on q and k)."""
-        return self.q_gain and self.stats == "head" and self.gains == "shared" and self.p == 2.0
+        return self.q_gain and self.k_gain and self.stats == "head" and self.gains == "shared" and self.p == 2.0
 
 
 class _NormRotate(torch.autograd.Function):
@@ -129,7 +132,7 @@ class QKNorm(QKMethod):
         if opts.gains == "head":
             n_q, n_k = shape.n_heads, shape.n_kv_heads
         self.q_norm = nn.RMSNorm(n_q * D, eps=opts.eps, elementwise_affine=opts.q_gain)
-        self.k_norm = nn.RMSNorm(n_k * D, eps=opts.eps)
+        self.k_norm = nn.RMSNorm(n_k * D, eps=opts.eps, elementwise_affine=opts.k_gain)
         self.alpha = nn.Parameter(torch.ones(())) if opts.p != 2.0 else None  # Lp: the learnable logit scale
 
     def _gain(self, norm: nn.RMSNorm, heads: int) -> torch.Tensor | None:
@@ -144,7 +147,8 @@ class QKNorm(QKMethod):
         return torch.rsqrt(sq + self.opts.eps) if self.opts.p == 2.0 else (sq + self.opts.eps).pow(-1.0 / self.opts.p)
 
     def _pow(self, x: torch.Tensor) -> torch.Tensor:
-        return x.float().pow(2) if self.opts.p == 2.0 else x.float().abs().pow(self.opts.p)
+        x = x.to(torch.promote_types(x.dtype, torch.float32))  # the statistic in fp32 or wider
+        return x.pow(2) if self.opts.p == 2.0 else x.abs().pow(self.opts.p)
 
     def query_map(self, q: torch.Tensor) -> torch.Tensor:
         """The variants' query map before RoPE: gain * q / stat(q) (flat: over all heads), times alpha."""
@@ -193,7 +197,7 @@ class QKNorm(QKMethod):
 
     def _key_map(self, k: torch.Tensor) -> torch.Tensor:
         g = self._gain(self.k_norm, self.shape.n_kv_heads)
-        return g * k * self.key_inv_rms(k)
+        return k * self.key_inv_rms(k) if g is None else g * k * self.key_inv_rms(k)
 
     def _norm_rotate_composite(self, q, k, rope, pos):
         """nn.RMSNorm, then RoPE, through autograd: the form the compiler fuses."""
@@ -207,6 +211,17 @@ class QKNorm(QKMethod):
             return rope(self.query_map(q), pos), self.k_norm.weight, self.key_inv_rms(k)
         return rope(self.q_norm(q), pos), self.k_norm.weight, self.key_inv_rms(k)
 
+    def after_rope_refusal(self) -> str:
+        # the RMS of a head (or of all heads, or a key group) is the same before and after a rotation; a gain
+        # per feature, or an Lp statistic with p != 2, is not
+        if self.opts.p != 2.0:
+            return (f"qknorm with p={self.opts.p} must sit before RoPE (an Lp statistic changes under the rotation): "
+                    "call qk(q, k) on the projections' outputs")
+        if self.q_norm.weight is not None or self.k_norm.weight is not None:
+            return ("qknorm with learnable gains must sit before RoPE (a gain per feature does not commute with the "
+                    "rotation): call qk(q, k) on the projections' outputs")
+        return ""
+
     def clip_refusal(self, tau_clip: float) -> str:
         return ("qk.controller=qkclip cannot bound qk.method=qknorm: its logits do not depend on the scale of "
                 "W_Q/W_K (clipping only shrinks them) and its gains are shared by all heads; use qk.controller=quack, "
@@ -215,6 +230,7 @@ class QKNorm(QKMethod):
     def reset_parameters(self) -> None:
         if self.q_norm.weight is not None:
             nn.init.constant_(self.q_norm.weight, self.opts.gain_init)
-        nn.init.constant_(self.k_norm.weight, self.opts.gain_init)
+        if self.k_norm.weight is not None:
+            nn.init.constant_(self.k_norm.weight, self.opts.gain_init)
         if self.alpha is not None:
             nn.init.ones_(self.alpha)

@@ -48,7 +48,7 @@ class Quest(QKMethod):
 
     def key_inv_norm(self, k: torch.Tensor) -> torch.Tensor:
         """k (B, Hkv, T, D) -> 1 / sqrt(||k||^2 + eps) (B, Hkv, T, 1), in fp32 or wider, cast to k's dtype."""
-        n2 = k.float().pow(2).sum(-1, keepdim=True)
+        n2 = k.to(torch.promote_types(k.dtype, torch.float32)).pow(2).sum(-1, keepdim=True)
         return torch.rsqrt(n2 + self.opts.eps).to(k.dtype)
 
     def _query(self, q: torch.Tensor) -> torch.Tensor:

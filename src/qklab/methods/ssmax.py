@@ -47,8 +47,9 @@ class SSMax(QKMethod):
     def factor(self, q: torch.Tensor, rope, pos: int) -> torch.Tensor:
         """s_h log(n) for the rows of q (B, H, T, D): (1 | B, H, T, 1); n = absolute position + 1."""
         p = positions_of(rope, q, pos)  # (T,) or (B, T)
-        logn = torch.log1p(p.to(torch.float32)).view(-1 if p.ndim == 2 else 1, 1, q.shape[2], 1)
-        return (self.s.float().view(1, -1, 1, 1) * logn).to(q.dtype)
+        dt = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 q
+        logn = torch.log1p(p.to(dt)).view(-1 if p.ndim == 2 else 1, 1, q.shape[2], 1)
+        return (self.s.to(dt).view(1, -1, 1, 1) * logn).to(q.dtype)
 
     def map_qk(self, q, k, rope, pos):
         return rope(q, pos) * self.factor(q, rope, pos), rope(k, pos)

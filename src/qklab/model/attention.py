@@ -156,6 +156,53 @@ class MaxLogitTracker:
         return out
 
 
+def attend(qk: QKMethod, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, eager: bool = False,
+           sink: torch.Tensor | None = None, tracker: MaxLogitTracker | None = None,
+           capture: dict[str, torch.Tensor] | None = None, causal: bool = True) -> torch.Tensor:
+    """Attention of q (B, H, Tq, F) over k (B, Hkv, Tk, F), v (B, Hkv, Tk, Dv) as method ``qk`` forms its
+    logits: scale ``qk.scale(F)``, ``qk.logits`` rewrite, causal mask (queries last-aligned with the keys;
+    ``causal=False``: every key), softmax with the per-head ``sink`` logits (H,) if any; (B, H, Tq, Dv).
+
+    Two paths compute the same thing: fused SDPA (never for a method that rewrites logits), or eager,
+    explicit logits (``eager``, a rewriting method, or a ``capture`` dict, which then receives the logits,
+    probabilities, mask, q and k). ``tracker``: while it tracks, it gets the per-head max logit of this
+    forward (eager: from its logits; CUDA: FlexAttention's; else a chunked QK^T pass).
+    qklab's own ``Attention`` and ``qklab.QK.attend`` both run this."""
+    scale = qk.scale(q.shape[-1])
+    tracking = tracker is not None and tracker.tracking
+    gqa = k.shape[1] != q.shape[1]
+    if eager or qk.modifies_logits or capture is not None or not causal:
+        return eager_attention(qk, q, k, v, scale, sink, tracker if tracking else None, capture, causal)
+    if tracking and sink is None and flex_usable(q, k, v):  # CUDA: the max logit from the kernel
+        y, m = flex_causal_with_max(q, k, v, scale, gqa=gqa)
+        tracker._track(m)
+        return y
+    if tracking:  # a second, chunked QK^T pass
+        tracker._track(head_max_logit(q, k, scale))  # logits not rewritten on this path
+    return sdpa_causal(q, k, v, scale, gqa=gqa, sink=sink)
+
+
+def eager_attention(qk: QKMethod, q, k, v, scale: float, sink=None, tracker: MaxLogitTracker | None = None,
+                    capture: dict[str, torch.Tensor] | None = None, causal: bool = True) -> torch.Tensor:
+    """The explicit path of ``attend``: logits -> qk.logits -> mask -> softmax (fp32) -> p @ v, (B, H, Tq, Dv)."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H, L, *)
+    s = (q @ k.transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
+    s = qk.logits(s)
+    if causal:
+        mask = causal_mask(q.shape[2], k.shape[2], q.device)
+    else:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
+    p = softmax_with_sink(s.float().masked_fill(~mask, float("-inf")), sink).to(q.dtype)
+    if tracker is not None:
+        tracker._track(s.detach().masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3)))
+    if capture is not None:
+        capture["logits"], capture["probs"], capture["mask"] = s.detach(), p.detach(), mask
+        capture["q"], capture["k"] = q.detach(), k.detach()
+    return p @ v  # (B, H, Tq, D)
+
+
 class Attention(nn.Module, MaxLogitTracker):
     def __init__(self, cfg, qk_cfg, layer_idx: int) -> None:
         super().__init__()
@@ -173,10 +220,6 @@ class Attention(nn.Module, MaxLogitTracker):
         self.capture: dict[str, torch.Tensor] | None = None
         self.init_tracker(self.n_heads)
 
-    @property
-    def use_eager(self) -> bool:
-        return self.impl == "eager" or self.qk.modifies_logits or self.capture is not None
-
     def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape  # x: (B, T, C)
         pos = cache.length if cache is not None else 0
@@ -187,34 +230,8 @@ class Attention(nn.Module, MaxLogitTracker):
         q, k = self.qk.map_qk(q, k, rope, pos)  # (B, H, T, F), (B, Hkv, T, F)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, Hkv, L, F), (B, Hkv, L, D)
-        scale = self.qk.scale(q.shape[-1])
-        if self.use_eager:
-            y = self.eager(q, k, v, scale)  # tracks the max logit from its own logits
-        elif self.tracking and self.sink is None and flex_usable(q, k, v):  # CUDA: the max logit from the kernel
-            y, m = flex_causal_with_max(q, k, v, scale, gqa=self.n_kv_heads != self.n_heads)
-            self._track(m)
-        else:
-            if self.tracking:  # a second, chunked QK^T pass
-                self._track(head_max_logit(q, k, scale))  # logits not rewritten on this path
-            y = self.sdpa(q, k, v, scale)
+        y = attend(self.qk, q, k, v, eager=self.impl == "eager", sink=self.sink, tracker=self,
+                   capture=self.capture)  # (B, H, T, D)
         y = apply_gate(self.wg, x, y)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
         return self.wo(y)
-
-    def sdpa(self, q, k, v, scale: float) -> torch.Tensor:
-        return sdpa_causal(q, k, v, scale, gqa=self.n_kv_heads != self.n_heads, sink=self.sink)
-
-    def eager(self, q, k, v, scale: float) -> torch.Tensor:
-        rep = self.n_heads // self.n_kv_heads
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H, L, *)
-        s = (q @ k.transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
-        s = self.qk.logits(s)
-        mask = causal_mask(q.shape[2], k.shape[2], q.device)
-        p = softmax_with_sink(s.float().masked_fill(~mask, float("-inf")), self.sink).to(q.dtype)
-        if self.tracking:
-            self._track(s.detach().masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3)))
-        if self.capture is not None:
-            self.capture["logits"], self.capture["probs"], self.capture["mask"] = s.detach(), p.detach(), mask
-            self.capture["q"], self.capture["k"] = q.detach(), k.detach()
-        return p @ v  # (B, H, Tq, D)
