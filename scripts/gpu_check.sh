@@ -12,7 +12,8 @@
 #    resumes on the CPU;
 # 4. the science payload (studies/gpu_payload.toml): a 38M-parameter GPT under Muon at a constant high
 #    rate for none, qknorm, quack, qkclip and qkmap, one seed; each cell's result.json lands under
-#    $OUT/gpu_payload/ for docs/results/gpu_payload and `qklab report`;
+#    $OUT/gpu_payload/ for docs/results/gpu_payload and `qklab report`; then the registered predictions
+#    (docs/results/predictions/) checked against it, hit or miss per prediction (scripts/predictions.py);
 # 5. compiled bf16 train steps of the GPT-2 small shape (124M parameters: the byte tokenizer with a
 #    50257-token embedding, so no tokenizer is trained) for none / qknorm / qkmap / quack / qkclip, their
 #    ratios to none, and MFU (eager and compiled) against the measured bf16 matmul peak (a method's MFU is
@@ -111,6 +112,21 @@ step device_ckpt_on_cpu 60 "$PY" -m qklab train "${MLA[@]}" --set train.device=c
 step payload 240 "$PY" -m qklab demo --study gpu_payload --workers 1 --out "$SCRATCH/payload" "${PAYLOAD[@]}"
 mkdir -p "$OUT/gpu_payload" && cp -r "$SCRATCH/payload/results/." "$OUT/gpu_payload/" 2>/dev/null
 echo "   payload results: $(find "$OUT/gpu_payload" -name result.json | wc -l) result.json under $OUT/gpu_payload"
+
+# the scale study's predictions for larger models (docs/results/predictions/, each file's sha256 recorded in
+# docs/results/scale_english/study.json), checked against the payload: hit, miss or not tested per prediction
+# (the payload runs another regime than the fits, so its values read "not tested" and the orders are checked);
+# the dry run also checks the checker on numbers planted from the predictions (one planted miss, the rest hits)
+export PY PRED=docs/results/predictions/scale_1.json PRED_REC=docs/results/scale_english/study.json SCRATCH
+step predictions 60 "$PY" scripts/predictions.py check "$PRED" "$OUT/gpu_payload" --study-json "$PRED_REC"
+planted_predictions() {
+  "$PY" scripts/predictions.py plant "$PRED" "$SCRATCH/planted" &&
+    "$PY" scripts/predictions.py check "$PRED" "$SCRATCH/planted" --same-regime --study-json "$PRED_REC" \
+      > "$SCRATCH/planted.txt" && cat "$SCRATCH/planted.txt" &&
+    [ "$(grep -c '^MISS' "$SCRATCH/planted.txt")" = 1 ] && [ "$(grep -c '^HIT' "$SCRATCH/planted.txt")" -ge 3 ]
+}
+export -f planted_predictions
+[ "$DRY" = 1 ] && TAIL=12 step predictions_planted 60 bash -c planted_predictions
 
 B=("${BIG[@]}" --set train.device=$DEV --set train.dtype=$DTYPE)
 TAIL=40 step methods_step_time 200 "$PY" benchmarks/step_time.py "${B[@]}" --set train.compile=true "${ROUNDS[@]}" \

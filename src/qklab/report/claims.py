@@ -357,7 +357,9 @@ def _new_verdict(old: str, reason: str, st: dict | None, p_holm: float, alpha: f
                  test: str | None = None) -> tuple[str, str]:
     """VERDICT_RULE, from the old rule's verdict and reason, the claim's statistics and its Holm p (of the
     t-test's p for a claim registered with test = "t")."""
-    if test == T_TEST and st is not None and old != "not measurable" and st["n"] >= 2:
+    if test == T_TEST and st is not None and old != "not measurable" and st["n"] < 2:
+        return "underpowered", f"{st['n']} seed: the paired t-test needs 2 or more (old rule: {reason})"
+    if test == T_TEST and st is not None and old != "not measurable":
         side = "below" if st["ci_hi"] < st["margin"] else "above" if st["ci_lo"] > st["margin"] else None
         if p_holm < alpha and side:
             return ("agree" if side == "below" else "disagree"), (

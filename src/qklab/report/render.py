@@ -18,7 +18,17 @@ from qklab.report.figures import colours, draw, figure_data, variant_name
 from qklab.report.html import page
 from qklab.report.ladder import INTRO as LADDER_INTRO
 from qklab.report.ladder import ladder_table
+from qklab.report.predictions import gpu_results, predictions_lines
 from qklab.report.probes import probes_tables
+from qklab.report.scale import INTRO as SCALE_INTRO
+from qklab.report.scale import (
+    control_lines,
+    draw_scale,
+    method_scales,
+    scale_data,
+    scale_sensitivity_table,
+    trends_table,
+)
 from qklab.study.analyze import DELTA, analyze, best_by_place, best_select, highest_within, load_results, place
 from qklab.study.plan import stored_plan
 from qklab.study.result import DIVERGENCE_RULE, OUTCOME_RULE, write_json_atomic
@@ -367,8 +377,10 @@ def _header(analysis: dict, dirs: list[str], results: list[dict]) -> list[str]:
         per_variant = f" (per variant: {p.get('lr_mults_for')})" if p.get("lr_mults_for") else ""
         lines.append(f"- `{name}`:{_progress(name, s, results)} base config `{s.get('config')}`, seeds "
                      f"{s.get('seeds')}, rate multiples {p.get('lr_mults')}{per_variant}, reference "
-                     f"{p.get('reference')}, batch order seed {p.get('data_seed')} (every cell sees the same "
-                     "tokens in the same order)." + _design_amendments(s))
+                     f"{p.get('reference')}, " + (f"batch order seed {p.get('data_seed')} (every cell sees the same "
+                     "tokens in the same order)." if isinstance(p.get("data_seed"), int) and p["data_seed"] >= 0
+                     else "batch order varied with the seed (each seed its own order of the same tokens).")
+                     + _design_amendments(s))
     lines += ["",
               "Protocol: each variant's learning rate is chosen on the *selection* half of the held-out text "
               "(lowest mean final loss over seeds among rates where no seed diverged); every reported loss comes "
@@ -485,6 +497,13 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
     ladder = ladder_table(groups)
     if ladder[1]:  # a study with a width grid
         tables["ladder"] = ladder
+    scale_rows = method_scales(groups)  # three widths or more: LR sensitivity and trends across scale
+    if scale_rows:
+        tables["scale_sensitivity"] = scale_sensitivity_table(scale_rows)
+        tables["scale_trends"] = trends_table(scale_rows)
+        data["scale_sensitivity"] = scale_data(scale_rows)
+        if fig := draw_scale(data["scale_sensitivity"], out / "scale_sensitivity.png", colours(data)):
+            figs["scale_sensitivity"] = fig
     here_label = corpus_label(results)
     if other is not None:  # the headers name the corpora in short; the same corpus twice: "here" and "beside"
         there_label = corpus_label(other[0])
@@ -508,6 +527,8 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
                                   "rate, lowest seed: median line, band from the lowest to the highest head.",
                 "head_w_norms": "The norm product ‖W_Q,h‖ ‖W_K,h‖ of each head over training (a head's logits "
                                 "scale with it), same runs: median and band over heads.",
+                "scale_sensitivity": "LR sensitivity against non-embedding parameters (mean over seeds, band: 95% "
+                                     "t-interval), one line per method; the legend gives each fit's slope per decade.",
                 "quack_factors": "QuacK's per-head learning-rate factors (W_Q and W_K of every layer) over "
                                  "training, same runs: median and band."}
     sections = [("Claims", "claims"),
@@ -515,6 +536,9 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
                 ("Results (report split)", "results"),
                 *([("The width ladder: gap to the reference by width, each at its chosen rate", "ladder")]
                   if "ladder" in tables else []),
+                *([("Learning-rate sensitivity across scale", "scale_sensitivity"),
+                   ("Trends across scale: slopes against log10 non-embedding parameters", "scale_trends")]
+                  if scale_rows else []),
                 *((f"The grid of {k[5:]}: selection loss (mean ± std over seeds) / max logit, by learning rate", k)
                   for k in grids),
                 *((f"Attention probes of {k[7:]} at the chosen rates: mean ± std over seeds (difference to the "
@@ -527,11 +551,12 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
         sections.append(("Failed cells", "failures"))
     cells = Cells(out)
     links = {"results": results_links(groups, cells), "claims": claims_links(claim_rows, cells)}
-    md = [f"# {title}", "", *header, "", "## Answers", "", *answers(claim_rows, cells), ""]
-    intros = {"claims": VERDICT_RULE, "ladder": LADDER_INTRO,
+    md = [f"# {title}", "", *header, "", *control_lines(claim_rows), "## Answers", "", *answers(claim_rows, cells), ""]
+    intros = {"claims": VERDICT_RULE, "ladder": LADDER_INTRO, "scale_sensitivity": SCALE_INTRO,
               **({"beside": beside_intro(here_label, there_label, [str(d) for d in beside])} if other else {})}
     for name, key in sections:
         md += [f"## {name}", "", *([intros[key], ""] if key in intros else []), md_table(tables[key], links.get(key))]
+    md += predictions_lines(studies, gpu_results())  # a study's predictions for larger models, checked or not
     md += ["## Figures", ""]
     for k, p in figs.items():
         md += [f"![{k}]({p.name})", "", captions[k], ""]

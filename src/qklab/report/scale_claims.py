@@ -51,7 +51,8 @@ def _verdict(values: dict[int, float], sign: int, what: str, margin: float = 0.0
             + (f", p (t) {shown['p']:.3g}" if math.isfinite(shown["p"]) else "")
             + "; by seed " + ", ".join(f"{s}: {v:+.3g}" for s, v in sorted(values.items())))
     st = {k: d[k] for k in ("n", "df", "mean", "ci_lo", "ci_hi", "boot_lo", "boot_hi", "effect", "p", "p_flip")}
-    st |= {"a": what, "b": "0", "margin": margin}
+    st |= {"a": "0", "b": what} if sign > 0 else {"a": what, "b": "0"}  # st is of a - b, claimed below zero
+    st["margin"] = margin
     if d["n"] < 2:
         return "inconclusive", meas, "one seed: no interval", st
     side = "above" if sign > 0 else "below"

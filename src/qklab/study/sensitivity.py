@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -60,25 +60,40 @@ def group_size(g: Mapping) -> float:
     return non_embedding(n, v, d, bool(g.get("tie_embeddings", True)))
 
 
-def grid_report(g: dict) -> dict[float, dict[int, float]]:
-    """rate multiple -> seed -> final report-split loss of every finished cell of an analysed group
+def grid_final(g: dict, key: str = "report_loss") -> dict[float, dict[int, float]]:
+    """rate multiple -> seed -> ``final[key]`` of every finished cell of an analysed group
     (``analyze._group``), read from its result files after the rate was chosen (``analyze`` reads the report
-    split at the chosen rate only); kept on the group as ``grid_report`` (given there, it is used as is)."""
-    if "grid_report" not in g:
+    split at the chosen rate only); kept on the group under ``grid_final`` (given there, used as is)."""
+    cache = g.setdefault("grid_final", {})
+    if key not in cache:
         out: dict[float, dict[int, float]] = {}
         for m, cells in g.get("cells", {}).items():
             for c in cells:
                 res, _ = load_result(Path(c["path"])) if c.get("path") else (None, None)
                 if res is not None and res.get("status") != "failed":
-                    out.setdefault(float(m), {})[int(c["seed"])] = num((res.get("final") or {}).get("report_loss"))
-        g["grid_report"] = out
-    return g["grid_report"]
+                    out.setdefault(float(m), {})[int(c["seed"])] = num((res.get("final") or {}).get(key))
+        cache[key] = out
+    return cache[key]
+
+
+def tuned_by_seed(g: dict) -> dict[int, float]:
+    """seed -> the rate (not the multiple) with that seed's lowest final selection-split loss, for the seeds
+    with a finished cell at every rate of the group's grid (a non-finite loss never wins)."""
+    grid = grid_final(g, "val_loss")
+    mults = sorted(g["sweep"])
+    seeds = set.intersection(*(set(grid.get(m, {})) for m in mults)) if mults else set()
+    out = {}
+    for s in sorted(seeds):
+        finite = [(grid[m][s], m) for m in mults if math.isfinite(grid[m][s])]
+        if finite:
+            out[s] = float(g["sweep"][min(finite)[1]]["lr"])
+    return out
 
 
 def group_sensitivity(g: dict) -> dict[int, float]:
-    """seed -> LR sensitivity of an analysed group over its whole rate grid (``grid_report``), for the seeds
-    with a finished cell at every rate; L0 = ln(vocab)."""
-    grid = grid_report(g)
+    """seed -> LR sensitivity of an analysed group over its whole rate grid (``grid_final``: report split),
+    for the seeds with a finished cell at every rate; L0 = ln(vocab)."""
+    grid = grid_final(g)
     if not grid or not g.get("vocab_size"):
         return {}
     l0 = math.log(float(g["vocab_size"]))
@@ -89,35 +104,51 @@ def group_sensitivity(g: dict) -> dict[int, float]:
 
 @dataclass(frozen=True)
 class Trend:
-    """A per-seed slope of y against log10(size) and its spread: ``by_seed`` seed -> slope; ``mean`` the
-    slope of the seed-mean curve; ``boot`` its percentile bootstrap interval (seeds resampled with
-    replacement independently at each size)."""
+    """A fit of y (log10 y with ``log_y``) against log10(size): ``by_seed`` seed -> its own slope; ``slope``
+    and ``intercept`` of the seed-mean curve; ``boot_lo``, ``boot_hi`` the slope's percentile bootstrap
+    interval, each size's seeds resampled with replacement independently; ``boots`` the (intercept, slope) of
+    every resample, for ``at``."""
 
     by_seed: dict[int, float]
-    mean: float
+    slope: float
+    intercept: float
     boot_lo: float
     boot_hi: float
-    intercept: float  # of the seed-mean fit: y = intercept + mean * log10(size)
+    log_y: bool
+    boots: tuple[tuple[float, float], ...] = field(default=(), repr=False)
+
+    def at(self, size: float, confidence: float = 0.95) -> tuple[float, float, float]:
+        """(value, lo, hi) of the fit at ``size`` (back on the y scale with ``log_y``): the seed-mean fit and
+        the percentile interval of the resampled fits. It says what these sizes' seeds give, not how far the
+        law holds beyond them."""
+        x = math.log10(size)
+        ys = np.array([a + b * x for a, b in self.boots]) if self.boots else np.array([np.nan])
+        lo, hi = (float(q) for q in np.quantile(ys, [0.5 - confidence / 2, 0.5 + confidence / 2]))
+        mid = self.intercept + self.slope * x
+        return (10 ** mid, 10 ** lo, 10 ** hi) if self.log_y else (mid, lo, hi)
 
 
 def trend(sizes: Sequence[float], values: Sequence[Mapping[int, float]], log_y: bool = False,
           n_boot: int = 2000, seed: int = 0, confidence: float = 0.95) -> Trend:
-    """The slope of ``values`` (one seed -> value map per size) against log10(size); log10 of the values
-    too with ``log_y``. Per seed over the seeds every size has; the bootstrap resamples each size's seeds."""
+    """The fit of ``values`` (one seed -> value map per size) against log10(size): per seed over the seeds
+    every size has, and of the seed means; the bootstrap resamples each size's seeds (needs two at each)."""
     xs = np.log10(np.asarray(sizes, dtype=np.float64))
     tf = (lambda v: math.log10(v) if v > 0 else float("nan")) if log_y else float
-    vals = [{s: tf(v) for s, v in m.items()} for m in values]
+    vals = [{s: tf(v) for s, v in m.items() if math.isfinite(tf(v))} for m in values]
     common = sorted(set.intersection(*(set(m) for m in vals))) if vals else []
     by_seed = {s: slope(xs, [m[s] for m in vals]) for s in common}
-    means = [np.mean(list(m.values())) if m else float("nan") for m in vals]
-    mean = slope(xs, means)
-    intercept = float(np.mean(means) - mean * xs.mean()) if math.isfinite(mean) else float("nan")
-    rng = np.random.default_rng(seed)
-    arrays = [np.asarray(list(m.values()), dtype=np.float64) for m in vals]
+    means = np.array([np.mean(list(m.values())) if m else np.nan for m in vals])
+    b = slope(xs, means)
+    a = float(means.mean() - b * xs.mean()) if math.isfinite(b) else float("nan")
+    boots: tuple[tuple[float, float], ...] = ()
     lo = hi = float("nan")
-    if arrays and all(a.size >= 2 for a in arrays) and math.isfinite(mean):
-        draws = np.stack([a[rng.integers(0, a.size, size=(n_boot, a.size))].mean(axis=1) for a in arrays], axis=1)
+    arrays = [np.asarray(list(m.values()), dtype=np.float64) for m in vals]
+    if arrays and all(x.size >= 2 for x in arrays) and math.isfinite(b):
+        rng = np.random.default_rng(seed)
+        draws = np.stack([x[rng.integers(0, x.size, size=(n_boot, x.size))].mean(axis=1) for x in arrays], axis=1)
         xc = xs - xs.mean()
-        slopes = ((draws - draws.mean(axis=1, keepdims=True)) * xc).sum(axis=1) / (xc * xc).sum()
-        lo, hi = (float(q) for q in np.quantile(slopes, [0.5 - confidence / 2, 0.5 + confidence / 2]))
-    return Trend(by_seed, mean, lo, hi, intercept)
+        bs = ((draws - draws.mean(axis=1, keepdims=True)) * xc).sum(axis=1) / (xc * xc).sum()  # (n_boot,)
+        as_ = draws.mean(axis=1) - bs * xs.mean()
+        boots = tuple(zip(as_.tolist(), bs.tolist(), strict=True))
+        lo, hi = (float(q) for q in np.quantile(bs, [0.5 - confidence / 2, 0.5 + confidence / 2]))
+    return Trend(by_seed, b, a, lo, hi, log_y, boots)

@@ -1,0 +1,207 @@
+"""Predictions registered before a larger run: written from a width ladder's fits (report.scale) into a
+committed file whose hash the study's ``study.json`` records, then checked against whatever a larger run
+measures, prediction by prediction: hit, miss, or not tested (with why).
+
+What is predicted, at each target size (non-embedding parameters), for every method the ladder ran:
+* ``max_logit``: the final max attention logit at 4x the method's tuned rate (log-log fit), with the
+  bootstrap interval over seeds; and the order of the methods by it;
+* ``high_rate_loss``: the order of the methods by their final report loss at 4x their tuned rate (log-linear
+  fits);
+* ``sensitivity``: the order of the methods by LR sensitivity (log-linear fits).
+An order names each adjacent pair as "above" only where the two fits' intervals do not overlap, else
+"tied"; a check counts only the pairs predicted apart. Every prediction carries the regime of the fits
+(optimizer, corpus, depth, steps): a run in another regime can check only what the prediction says carries
+across regimes (the orders), and a value prediction reads "not tested" there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from qklab.report.scale import MethodScale, method_scales
+from qklab.study.sensitivity import Trend, grid_final, trend
+
+GPU_RESULTS = Path("docs/results/gpu_payload")  # where a GPU run's payload results are committed
+HIGH = 4.0  # the high rate: this multiple of each method's tuned rate
+TARGETS = {"38M (gpu_payload: width 512, 12 layers)": 12 * 12 * 512 ** 2,
+           "124M (GPT-2 small: width 768, 12 layers; 85M non-embedding)": 12 * 12 * 768 ** 2}
+
+
+@dataclass(frozen=True)
+class Check:
+    """One prediction against a measurement: outcome "hit", "miss" or "not tested"."""
+
+    id: str
+    outcome: str
+    predicted: str
+    measured: str
+    why: str = ""
+
+
+def method_key(method: str | None, controller: str | None) -> str:
+    """The method a result stands for, whatever its variant is called: 'quack', 'qknorm', 'none', ..."""
+    return controller if controller and controller != "none" else (method or "none")
+
+
+def _interval(t: Trend | None, size: float) -> list[float] | None:
+    if t is None or not math.isfinite(t.slope):
+        return None
+    return list(t.at(size))
+
+
+def _high_rate(r: MethodScale, groups: dict[tuple, dict], key: str) -> tuple[list[float], list[dict[int, float]]]:
+    """sizes and per-seed ``final[key]`` at HIGH x each width's tuned rate (widths whose grid has it)."""
+    sizes, vals = [], []
+    for w, size in zip(r.widths, r.sizes, strict=True):
+        g = groups[(r.study, r.variant, w)]
+        m = g["chosen"] * HIGH if g["chosen"] is not None else None
+        if m in g["sweep"]:
+            sizes.append(size)
+            vals.append(grid_final(g, key)[m])
+    return sizes, vals
+
+
+def _order(values: dict[str, list[float]]) -> list[dict[str, Any]]:
+    """Methods from the highest predicted value down; each adjacent pair "above" when the upper one's
+    interval lies wholly above the lower one's, else "tied"."""
+    ranked = sorted(values, key=lambda k: -values[k][0])
+    return [{"upper": a, "lower": b, "relation": "above" if values[a][1] > values[b][2] else "tied"}
+            for a, b in zip(ranked, ranked[1:], strict=False)]
+
+
+def make_predictions(groups: list[dict[str, Any]], regime: str, source: str) -> dict[str, Any]:
+    """The predictions file's content from the analysed groups of one width ladder (``analyze``)."""
+    rows = method_scales(groups)
+    by_key = {(g["study"], g["variant"], int(g["d_model"])): g for g in groups if g.get("d_model")}
+    out: dict[str, Any] = {"schema": 1, "source": source, "regime": regime, "high_rate": HIGH, "targets": {},
+                           "note": "intervals: percentile bootstrap over seeds of the fit, which is not an "
+                                   "interval over how far the fitted law holds beyond the sizes it was fitted on"}
+    for label, size in TARGETS.items():
+        logit, loss, sens = {}, {}, {}
+        for r in rows:
+            m = method_key(by_key[(r.study, r.variant, r.widths[0])]["method"],
+                           by_key[(r.study, r.variant, r.widths[0])]["controller"])
+            sizes, vals = _high_rate(r, by_key, "max_logit")
+            if (iv := _interval(trend(sizes, vals, log_y=True) if len(sizes) >= 3 else None, size)) is not None:
+                logit[m] = iv
+            sizes, vals = _high_rate(r, by_key, "report_loss")
+            if (iv := _interval(trend(sizes, vals) if len(sizes) >= 3 else None, size)) is not None:
+                loss[m] = iv
+            if (iv := _interval(r.sensitivity_trend(), size)) is not None:
+                sens[m] = [max(x, 0.0) for x in iv]  # it cannot fall below 0: a fit that does reads as 0
+        out["targets"][label] = {
+            "non_embedding_parameters": size,
+            "max_logit": {m: {"value": v[0], "lo": v[1], "hi": v[2]} for m, v in logit.items()},
+            "max_logit_order": _order(logit), "high_rate_loss_order": _order(loss), "sensitivity_order": _order(sens),
+            "sensitivity": {m: {"value": v[0], "lo": v[1], "hi": v[2]} for m, v in sens.items()}}
+    return out
+
+
+def write_predictions(pred: dict[str, Any], path: Path) -> str:
+    """Write the file (sorted keys, two-space indent, a final newline) and return its sha256."""
+    text = json.dumps(pred, indent=2, sort_keys=True) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _measured(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """method -> {max_logit, report_loss} of a run's finished cells (the mean over its seeds)."""
+    acc: dict[str, dict[str, list[float]]] = {}
+    for r in results:
+        if r.get("status") == "failed":
+            continue
+        f = r.get("final") or {}
+        m = acc.setdefault(method_key(r.get("method"), r.get("controller")), {"max_logit": [], "report_loss": []})
+        for k in m:
+            v = f.get(k)
+            if isinstance(v, int | float) and math.isfinite(v):
+                m[k].append(float(v))
+    return {m: {k: sum(v) / len(v) for k, v in d.items() if v} for m, d in acc.items()}
+
+
+def _check_order(pid: str, order: list[dict], measured: dict[str, dict[str, float]], key: str) -> Check:
+    apart = [p for p in order if p["relation"] == "above" and p["upper"] in measured and p["lower"] in measured
+             and key in measured[p["upper"]] and key in measured[p["lower"]]]
+    text = ", ".join(f"{p['upper']} {'>' if p['relation'] == 'above' else '~'} {p['lower']}" for p in order)
+    if not apart:
+        return Check(pid, "not tested", text, "-", "no pair predicted apart was measured")
+    wrong = [p for p in apart if not measured[p["upper"]][key] > measured[p["lower"]][key]]
+    got = ", ".join(f"{p['upper']} {measured[p['upper']][key]:.4g} vs {p['lower']} {measured[p['lower']][key]:.4g}"
+                    for p in apart)
+    return Check(pid, "miss" if wrong else "hit", text, got,
+                 f"{len(apart) - len(wrong)} of {len(apart)} pairs predicted apart in the predicted order")
+
+
+def check(pred: dict[str, Any], results: list[dict[str, Any]], target: str, same_regime: bool) -> list[Check]:
+    """Each prediction for ``target`` against a run's result files: value predictions only in the same regime
+    (else "not tested"), orders in any; LR sensitivity needs a rate grid, which one rate per method is not."""
+    t = pred["targets"][target]
+    measured = _measured(results)
+    out = []
+    for m, v in t["max_logit"].items():
+        pid = f"max_logit {m} @ {target}"
+        shown = f"{v['value']:.3g} [{v['lo']:.3g}, {v['hi']:.3g}]"
+        if not same_regime:
+            out.append(Check(pid, "not tested", shown, "-", "the run is in another regime than the fits"))
+        elif "max_logit" not in measured.get(m, {}):
+            out.append(Check(pid, "not tested", shown, "-", f"no finished {m} cell"))
+        else:
+            x = measured[m]["max_logit"]
+            out.append(Check(pid, "hit" if v["lo"] <= x <= v["hi"] else "miss", shown, f"{x:.4g}"))
+    out.append(_check_order(f"max_logit_order @ {target}", t["max_logit_order"], measured, "max_logit"))
+    out.append(_check_order(f"high_rate_loss_order @ {target}", t["high_rate_loss_order"], measured, "report_loss"))
+    sens = ", ".join(f"{p['upper']} {'>' if p['relation'] == 'above' else '~'} {p['lower']}"
+                     for p in t["sensitivity_order"])
+    out.append(Check(f"sensitivity_order @ {target}", "not tested", sens, "-",
+                     "LR sensitivity needs each method on a rate grid"))
+    return out
+
+
+def format_checks(checks: list[Check]) -> list[str]:
+    """One line per prediction: outcome, id, predicted, measured, why."""
+    return [f"{c.outcome.upper():10s} {c.id}: predicted {c.predicted}; measured {c.measured}"
+            + (f" ({c.why})" if c.why else "") for c in checks]
+
+
+def as_json(checks: list[Check]) -> list[dict[str, str]]:
+    return [asdict(c) for c in checks]
+
+
+def predictions_lines(studies: dict[str, dict[str, Any]], measured: list[dict[str, Any]] | None = None) -> list[str]:
+    """The report's section: each predictions file a study.json records (its hash checked), its predictions
+    for every target, and beside them the check against ``measured`` (a larger run's results), or "not yet
+    tested" while there are none."""
+    lines: list[str] = []
+    for name, s in sorted(studies.items()):
+        for rec in s.get("predictions") or []:
+            path = Path(rec.get("file", ""))
+            try:
+                text = path.read_bytes()
+            except OSError:
+                lines.append(f"- `{name}` recorded predictions `{path}`, which is not here.")
+                continue
+            ok = hashlib.sha256(text).hexdigest() == rec.get("sha256")
+            pred = json.loads(text)
+            lines.append(f"- `{path}` ({'sha256 as recorded' if ok else '**sha256 differs from the record**'}, "
+                         f"written {rec.get('written')}, from {pred.get('source')}); regime: {pred.get('regime')}")
+            for target in pred.get("targets", {}):
+                checks = (check(pred, measured, target, same_regime=False) if measured else
+                          [Check(c.id, "not yet tested", c.predicted, "-", "no larger run yet")
+                           for c in check(pred, [], target, same_regime=False)])
+                lines += [f"  - {line}" for line in format_checks(checks)]
+    return ["## Predictions for larger models", "", *lines, ""] if lines else []
+
+
+def gpu_results(folder: Path = GPU_RESULTS) -> list[dict[str, Any]]:
+    """The committed results of a GPU run's payload ([] while there are none)."""
+    if not folder.is_dir():
+        return []
+    from qklab.study.analyze import load_results
+
+    return load_results([folder])[0]

@@ -1,0 +1,42 @@
+"""Registered predictions against a larger run's results: hit, miss and not tested, on planted numbers."""
+
+from __future__ import annotations
+
+from qklab.report.predictions import _order, check, method_key
+
+TARGET = "38M"
+
+
+def _pred() -> dict:
+    return {"targets": {TARGET: {
+        "max_logit": {"none": {"value": 100.0, "lo": 50.0, "hi": 200.0},
+                      "qknorm": {"value": 8.0, "lo": 6.0, "hi": 9.0}},
+        "max_logit_order": _order({"none": [100.0, 50.0, 200.0], "qknorm": [8.0, 6.0, 9.0]}),
+        "high_rate_loss_order": _order({"none": [6.0, 5.9, 6.1], "qknorm": [5.95, 5.8, 6.0]}),  # intervals overlap
+        "sensitivity_order": _order({"none": [0.7, 0.6, 0.8], "qknorm": [0.1, 0.0, 0.2]})}}}
+
+
+def _result(method: str, controller: str, logit: float, loss: float) -> dict:
+    return {"status": "ok", "method": method, "controller": controller,
+            "final": {"max_logit": logit, "report_loss": loss}}
+
+
+def test_order_marks_overlapping_intervals_tied():
+    assert _order({"a": [1.0, 0.5, 1.5], "b": [2.0, 1.6, 2.4], "c": [0.0, -0.2, 0.6]}) == [
+        {"upper": "b", "lower": "a", "relation": "above"}, {"upper": "a", "lower": "c", "relation": "tied"}]
+    assert method_key("none", "quack") == "quack" and method_key("qknorm", "none") == "qknorm"
+
+
+def test_hits_misses_and_untested():
+    pred = _pred()
+    got = {c.id.split(" @ ")[0]: c for c in check(pred, [_result("none", "none", 300.0, 6.0),
+                                                         _result("qknorm", "none", 7.0, 5.9)], TARGET, True)}
+    assert got["max_logit none"].outcome == "miss"  # 300 above [50, 200]
+    assert got["max_logit qknorm"].outcome == "hit"
+    assert got["max_logit_order"].outcome == "hit"  # none 300 > qknorm 7, as predicted apart
+    assert got["high_rate_loss_order"].outcome == "not tested"  # the only pair was predicted tied
+    assert got["sensitivity_order"].outcome == "not tested"  # one rate per method
+    # another regime: values are not tested, orders still are; a reversed order is a miss
+    other = {c.id.split(" @ ")[0]: c for c in check(pred, [_result("none", "none", 5.0, 6.0),
+                                                           _result("qknorm", "none", 7.0, 5.9)], TARGET, False)}
+    assert other["max_logit none"].outcome == "not tested" and other["max_logit_order"].outcome == "miss"

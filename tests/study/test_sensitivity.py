@@ -1,0 +1,98 @@
+"""LR sensitivity (Wortsman et al. 2023), slopes across scale and the scale claims, against hand computations
+on planted numbers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from qklab.report.scale_claims import MEASURES
+from qklab.study.sensitivity import group_sensitivity, group_size, lr_sensitivity, non_embedding, slope, trend
+
+L0 = math.log(4096)
+
+
+def test_lr_sensitivity_by_hand():
+    # capped at L0 = 8: [5, 4, 4.5, 8, 8]; best 4; mean of [1, 0, 0.5, 4, 4] = 1.9
+    assert lr_sensitivity([5.0, 4.0, 4.5, 9.0, float("nan")], 8.0) == pytest.approx(1.9)
+    assert lr_sensitivity([3.0, 3.0], 8.0) == 0.0
+    assert math.isnan(lr_sensitivity([], 8.0))
+
+
+def test_slope_and_size_by_hand():
+    # x mean 2, y mean 13/3: cov sum 5, var sum 2
+    assert slope([1, 2, 3], [2, 4, 7]) == pytest.approx(2.5)
+    assert math.isnan(slope([1, 1], [2, 3])) and math.isnan(slope([1], [2]))
+    assert non_embedding(475712, 4096, 64) == 213568  # ladder_english's width 64: 4 blocks of 213,568
+    assert non_embedding(1000, 10, 10, tied=False) == 800
+
+
+def test_trend_by_hand():
+    # sizes 10, 100, 1000 (x = 1, 2, 3); seed 0: 1, 2, 3 (slope 1); seed 1: 1, 3, 5 (slope 2)
+    t = trend([10, 100, 1000], [{0: 1.0, 1: 1.0}, {0: 2.0, 1: 3.0}, {0: 3.0, 1: 5.0}])
+    assert t.by_seed == pytest.approx({0: 1.0, 1: 2.0})
+    assert t.slope == pytest.approx(1.5) and t.intercept == pytest.approx(-0.5)  # means 1, 2.5, 4
+    # a resample's slope is (y at 1000 - y at 10) / 2 with y at 1000 in {3, 4, 5}: it lies in [1, 2]
+    assert 1.0 - 1e-12 <= t.boot_lo < 1.5 < t.boot_hi <= 2.0 + 1e-12
+    mid, lo, hi = t.at(1e4)
+    assert mid == pytest.approx(5.5) and lo <= mid <= hi
+    tl = trend([10, 100, 1000], [{0: 10.0, 1: 10.0}, {0: 100.0, 1: 1000.0}, {0: 1e3, 1: 1e5}], log_y=True)
+    assert tl.by_seed == pytest.approx({0: 1.0, 1: 2.0}) and tl.at(1e4)[0] == pytest.approx(10 ** 5.5)
+
+
+def _group(variant: str, method: str, controller: str, i: int, losses, logits=None) -> dict:
+    """A planted analysed group at width 64 * 2^i, non-embedding size 10^(5 + i), two rates 1e-3 and 2e-3;
+    losses(seed) -> the report losses at those rates."""
+    d = 64 * 2 ** i
+    sweep = {1.0: {"lr": 1e-3, "max_logit_by_seed": {}}, 2.0: {"lr": 2e-3, "max_logit_by_seed": {}}}
+    for s in range(3):
+        for m, v in zip((1.0, 2.0), (logits or (lambda s: (1.0, 1.0)))(s), strict=True):
+            sweep[m]["max_logit_by_seed"][s] = v
+    grid = {m: {s: losses(s)[k] for s in range(3)} for k, m in enumerate((1.0, 2.0))}
+    return {"study": "planted", "variant": variant, "attention": "mha", "method": method, "controller": controller,
+            "d_model": d, "n_params": 10 ** (5 + i) + 4096 * d, "vocab_size": 4096, "tie_embeddings": True,
+            "sweep": sweep, "cells": {}, "grid_final": {"report_loss": grid}, "chosen": 1.0}
+
+
+def _planted() -> list[dict]:
+    gs = []
+    for i in range(3):
+        # none: sensitivity (0 + 0.5 (i + 1) + 0.1 s) / 2, slope 0.25 per decade at every seed; max logit
+        # 10 at 1e-3 and 10^(1.3 + 0.1 s + 0.1 i) at 2e-3: slope 0.3 + 0.1 s per doubling at width i
+        gs.append(_group("none", "none", "none", i, lambda s, i=i: (4.0, 4.0 + 0.5 * (i + 1) + 0.1 * s),
+                         lambda s, i=i: (10.0, 10 ** (1.3 + 0.1 * s + 0.1 * i))))
+        # qknorm: sensitivity (0.2 + 0.1 s i) / 2 = 0.1 + 0.05 s i: slope 0.05 s
+        gs.append(_group("qknorm", "qknorm", "none", i, lambda s, i=i: (4.0, 4.2 + 0.1 * s * i)))
+        # quack: a diverged top rate (non-finite) counts as L0: sensitivity (L0 - 4) / 2 at every width
+        gs.append(_group("quack-t1", "none", "quack", i, lambda s: (4.0, float("inf"))))
+    return gs
+
+
+def test_group_sensitivity_and_size():
+    g = _planted()[0]
+    assert group_size(g) == pytest.approx(1e5)
+    assert group_sensitivity(g) == pytest.approx({0: 0.25, 1: 0.30, 2: 0.35})
+    assert group_sensitivity(_planted()[2]) == pytest.approx({s: (L0 - 4.0) / 2 for s in range(3)})
+
+
+def test_scale_claims_by_hand():
+    gs = _planted()
+    # qknorm - none slopes: 0.05 s - 0.25 = -0.25, -0.20, -0.15; mean -0.2, sd 0.05, t = -0.2 / (0.05 / sqrt 3)
+    verdict, measured, _, st, _ = MEASURES["scale.qknorm_sensitivity"](gs, {})
+    t = 0.2 / (0.05 / math.sqrt(3))
+    assert st["mean"] == pytest.approx(-0.2) and st["n"] == 3
+    assert st["p"] == pytest.approx(1 - t / math.sqrt(2 + t * t))  # the t distribution's cdf at 2 df, closed form
+    assert verdict == "agree" and "-0.2" in measured
+    # quack's sensitivity is flat: slope 0 against none's 0.25 at every seed (no spread): -0.25 each
+    _, _, _, st, _ = MEASURES["scale.quack_sensitivity"](gs, {})
+    assert st["mean"] == pytest.approx(-0.25) and st["p"] == 0.0
+    # none's max logit per doubling: mean over widths of 0.3 + 0.1 s + 0.1 i = 0.4 + 0.1 s; claimed > 0
+    verdict, measured, _, st, _ = MEASURES["scale.control_logit_rate"](gs, {})
+    assert st["mean"] == pytest.approx(-0.5) and verdict == "agree"  # statistics of the claimed-below form
+    assert "+0.5" in measured
+    # at the highest rate every width ran (2e-3): log10 max logit 1.3 + 0.1 s + 0.1 i, 0.1 per decade of size
+    verdict, measured, _, st, _ = MEASURES["scale.control_logit_width"](gs, {})
+    assert st["mean"] == pytest.approx(-0.1) and "rate 0.002" in measured and verdict == "agree"
+    # no method that ran nowhere: not measurable
+    assert MEASURES["scale.quest_sensitivity"](gs, {})[0] == "not measurable"
