@@ -96,3 +96,48 @@ def test_scale_claims_by_hand():
     assert st["mean"] == pytest.approx(-0.1) and "rate 0.002" in measured and verdict == "agree"
     # no method that ran nowhere: not measurable
     assert MEASURES["scale.quest_sensitivity"](gs, {})[0] == "not measurable"
+
+
+def test_scale_claims_listed_where_registered_and_holm_on_the_t_test(monkeypatch):
+    from qklab.report import claims
+    from qklab.report.claims import claims_table
+    from qklab.study.plan import CATALOGUE, parse_plan
+
+    # the scale claims alone (the papers' claims need fields these planted groups do not have)
+    monkeypatch.setattr(claims, "CATALOGUE", {k: v for k, v in CATALOGUE.items() if k.startswith("scale.")})
+    gs = _planted()
+    plan = parse_plan({"scale.qknorm_sensitivity": {}, "scale.quack_sensitivity": {},
+                       "scale.control_logit_rate": {}})
+    assert all(p["test"] == "t" and p["family"] == "Scale" for p in plan.values())
+    rows = {r["id"]: r for r in claims_table(gs, {"planted": {"plan": {"claims": plan}}})}
+    assert "scale.qkmap_sensitivity" not in rows  # not registered: not listed
+    # Holm over the three t-test p-values, by hand: quack 0 (no spread); the logit slope 0.4, 0.5, 0.6 (t = 5
+    # sqrt 3 at 2 df); qknorm 0.0202 (above); sorted 0 < p_logit < p_qknorm: x3, x2, x1, running maximum
+    t = 5 * math.sqrt(3)
+    p_logit = 1 - t / math.sqrt(2 + t * t)
+    p_qknorm = 1 - 4 * math.sqrt(3) / math.sqrt(2 + 48)
+    assert rows["scale.control_logit_rate"]["p_holm"] == pytest.approx(2 * p_logit)
+    assert rows["scale.quack_sensitivity"]["p_holm"] == 0.0
+    assert rows["scale.qknorm_sensitivity"]["p_holm"] == pytest.approx(max(2 * p_logit, p_qknorm))
+    assert all(rows[c]["verdict"] == "agree" for c in rows)  # every Holm p below 0.05, every interval one side
+    none = [r for r in claims_table(gs, {"planted": {"plan": {"claims": {}}}}) if r["id"].startswith("scale.")]
+    assert none == []
+
+
+def test_scale_tables_by_hand():
+    from qklab.report.scale import method_scales, scale_sensitivity_table, trends_table
+
+    gs = _planted()
+    for g in gs:  # the selection split as the report split: the lower rate is every seed's tuned rate
+        g["grid_final"]["val_loss"] = g["grid_final"]["report_loss"]
+    rows = method_scales(gs)
+    assert [r.variant for r in rows] == ["none", "qknorm", "quack-t1"]
+    head, body = scale_sensitivity_table(rows)
+    none = dict(zip(head, body[0], strict=True))
+    assert none["width 64"].startswith("0.300 [") and none["width 64"].endswith("(n=3)")  # 0.25, 0.30, 0.35
+    assert none["slope per decade of parameters (bootstrap 95%)"].startswith("+0.250 [")
+    assert "QuacK" in dict(zip(head, body[2], strict=True))["note"]  # the rate it is measured over
+    head, body = trends_table(rows)
+    none = dict(zip(head, body[0], strict=True))
+    assert none["tuned rate (log-log)"].startswith("+0.000")  # 1e-3 at every width
+    assert none["sizes (non-embedding parameters)"] == "0.1M, 1M, 10M"
