@@ -172,7 +172,7 @@ def control_lines(rows: list[dict[str, Any]]) -> list[str]:
     """The positive control's section, first in a report whose study registered it: each control claim's
     verdict, and, unless every one agrees, that the control failed, so that nothing after it reads as if
     the study could see the effect it was built to see."""
-    ctl = [r for r in rows if r["id"] in CONTROL and r.get("status") == "confirmatory"]
+    ctl = [r for r in rows if r.get("id") in CONTROL and r.get("status") == "confirmatory"]
     if not ctl:
         return []
     lines = ["## Positive control", "",
