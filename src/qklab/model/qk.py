@@ -44,6 +44,28 @@ def _positions(positions, T: int, device) -> torch.Tensor:
     return positions.to(device)
 
 
+@torch.no_grad()
+def masked_max(q: torch.Tensor, k: torch.Tensor, scale: float, rewrite, causal: bool,
+               segments: torch.Tensor | None, chunk: int = 64) -> torch.Tensor:
+    """Per-head max logit, (H,) fp32, of q (B, H, T, F) over the keys k (B, Hkv, T, F) each query sees:
+    causal or all, and only those of its own segment (``segments`` (B, T) document ids); in query chunks,
+    so at most (B, H, chunk, T) logits exist at a time."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (B, H, T, F)
+    T = q.shape[2]
+    best = torch.full((q.shape[1],), float("-inf"), device=q.device)
+    for i in range(0, T, chunk):
+        s = (q[:, :, i : i + chunk] @ k.transpose(-2, -1)) * scale  # (B, H, c, T)
+        s = rewrite(s) if rewrite is not None else s
+        seen = torch.ones(s.shape[2], T, dtype=torch.bool, device=q.device)  # (c, T)
+        if causal:
+            seen = seen.tril(diagonal=i)
+        seen = seen[None, None]
+        if segments is not None:
+            seen = seen & (segments[:, None, i : i + chunk, None] == segments[:, None, None, :])  # (B, 1, c, T)
+        best = torch.maximum(best, s.masked_fill(~seen, float("-inf")).amax(dim=(0, 2, 3)).float())
+    return best
+
+
 class QK(nn.Module):
     """One attention layer's forward-side QK method (``method``: a name of ``qklab.methods.METHODS``, with its
     ``options``), for ``n_heads`` query heads and ``n_kv_heads`` key heads (default: n_heads) of width
@@ -131,11 +153,20 @@ class QK(nn.Module):
         self.method.reset_parameters()
 
     # --- q and k -----------------------------------------------------------------------------------
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | int | None = None
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | int | None = None, *,
+                rope: UserRope | None = None, segments: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q (B, H, T, d'), k (B, Hkv, T, d') straight from the projections -> q (B, H, T, F), k (B, Hkv, T, F)
-        mapped and rotated at ``positions`` ((T,) or (B, T) absolute positions, an offset, or None: 0 ..)."""
-        if self.own_rope is not None:
+        mapped and rotated at ``positions`` ((T,) or (B, T) absolute positions, an offset, or None: 0 ..).
+        ``rope``: this call's RoPE in place of the one given at construction (a framework whose tables live
+        in a buffer of its own). ``segments`` (B, T): document ids of rows packed with several documents (a
+        query sees no key of another), for the measured max logits."""
+        if rope is not None:
+            pos = _positions(positions, q.shape[2], q.device)
+            if rope.interleaved:
+                q, k = to_half(q), to_half(k)
+            q, k = self.method.map_qk(q, k, rope.bind(pos), 0)
+        elif self.own_rope is not None:
             if not (positions is None or isinstance(positions, int)):
                 raise ConfigError("qklab's own Rope takes a position offset (an int), not a positions tensor")
             q, k = self.method.map_qk(q, k, self.own_rope, positions or 0)
@@ -144,7 +175,7 @@ class QK(nn.Module):
             if self.rope is not None and self.rope.interleaved:
                 q, k = to_half(q), to_half(k)
             q, k = self.method.map_qk(q, k, self.rope.bind(pos) if self.rope is not None else NoRope(pos), 0)
-        self._measure(q, k)
+        self._measure(q, k, segments)
         return q, k
 
     def after_rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | int | None = None
@@ -162,25 +193,24 @@ class QK(nn.Module):
         """The method's rewrite of scaled logits s (B, H, Tq, Tk) (softcap; the identity for the others)."""
         return self.method.logits(s)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None = None
-               ) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None = None,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of what ``forward`` returned, v (B, Hkv, Tk, Dv) -> (B, H, Tq, Dv): fused SDPA, or explicit
-        logits for a method that rewrites them; ``sink`` (H,) per-head sink logits."""
-        return attend(self.method, q, k, v, eager=self.eager, sink=sink, causal=self.causal)
+        logits for a method that rewrites them or a ``mask`` (B|1, 1|H, Tq, Tk) bool, True where a query sees a
+        key (in place of the causal one); ``sink`` (H,) per-head sink logits."""
+        return attend(self.method, q, k, v, eager=self.eager, sink=sink, causal=self.causal, mask=mask)
 
     @torch.no_grad()
-    def _measure(self, q: torch.Tensor, k: torch.Tensor) -> None:
+    def _measure(self, q: torch.Tensor, k: torch.Tensor, segments: torch.Tensor | None = None) -> None:
         """Feed the attached layer's tracker (``qklab.attach``) with this forward's per-head max logit."""
         layer = getattr(self, "qk_layer", None)
         if layer is None or not layer.tracking:
             return
         rewrite = self.method.logits if self.method.modifies_logits else None
-        if self.causal:
+        if self.causal and segments is None:
             layer._track(head_max_logit(q, k, self.scale, rewrite))
             return
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        s = (q @ k.transpose(-2, -1)) * self.scale  # (B, H, Tq, Tk)
-        layer._track((rewrite(s) if rewrite is not None else s).amax(dim=(0, 2, 3)).float())
+        layer._track(masked_max(q, k, self.scale, rewrite, self.causal, segments))
 
     def extra_repr(self) -> str:
         conv = "qklab Rope" if self.own_rope is not None else (self.rope.convention if self.rope else "no RoPE")
