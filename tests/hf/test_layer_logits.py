@@ -184,3 +184,15 @@ def test_qkclip_refuses_logits_a_norm_bounds():
     qklab.attach(own, opt_of(own), "qkclip", layers=[_spec(logits="core", qk_norm=False)], tau_clip=10.0).remove()
     with pytest.raises(ConfigError, match="no module 'cor' in RopeAttnModel"):
         qklab.attach(own, opt_of(own), "qkclip", layers=[_spec(logits="cor")], tau_clip=10.0)
+
+
+def test_logging_later_is_refused_as_early_as_asked():
+    """A controller that needs no logits attaches to a RoPE model with nothing named; measuring (logging,
+    QKCallback's logged steps) is refused when asked, in one line, and check_measurable says so up front."""
+    model = RopeAttnModel()
+    handle = qklab.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), "quack", layers=[_spec()])
+    with pytest.raises(ConfigError, match="cannot measure its logits"):
+        handle.check_measurable()
+    with pytest.raises(ConfigError, match="cannot measure its logits"):
+        handle.set_tracking(True)
+    handle.remove()

@@ -65,6 +65,13 @@ class Attached:
         return (f"<qklab handle: {self.controller.name} on {type(self.model).__name__}, "
                 f"{len(self.qk_layers)} layers, {state}>")
 
+    def check_measurable(self) -> None:
+        """Raise the one-line ``ConfigError`` of the first layer whose max logits cannot be measured (a
+        ``LayerSpec`` on a model with RoPE that names nowhere its logits are formed); nothing when all can."""
+        refused = next((layer.refusal for layer in self.qk_layers if layer.refusal), "")
+        if refused:
+            raise ConfigError(refused)
+
     def run_around(self, optimizer) -> None:
         """Run the controller from ``optimizer``'s step hooks (``before_step`` before every ``step()``,
         ``after_step`` after it): the optimizer given to ``attach``, or an object that steps them all (a
@@ -76,9 +83,8 @@ class Attached:
         """Measure per-head max logits from the next forward on, or stop (QK-clip always measures). A
         transformers model runs qklab's attention function while measuring, its own otherwise."""
         on = on or self.needs_logits
-        refused = next((layer.refusal for layer in self.qk_layers if layer.refusal), "")
-        if on and refused:
-            raise ConfigError(refused)
+        if on:
+            self.check_measurable()
         for layer in self.qk_layers:
             layer.track_max_logit = on
         if self.switch is not None:

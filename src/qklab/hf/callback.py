@@ -50,6 +50,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from qklab.errors import ConfigError
 from qklab.hf.attach import Attached, attach
 from qklab.hf.layers import LayerSpec
 
@@ -78,6 +79,12 @@ class QKCallback(TrainerCallback):
         opt = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
         self.attached = attach(model, opt, self.controller, layers=self.layers, hooks=False,
                                track=self.log_max_logit and not self.sampled, **self.options)
+        if self.log_max_logit:  # refused now, not at the first logged step
+            try:
+                self.attached.check_measurable()
+            except ConfigError:
+                self.remove()
+                raise
         self._logged_step = None
 
     def on_step_begin(self, args, state, control, **kwargs):
