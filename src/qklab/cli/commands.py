@@ -193,8 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=_demo)
 
     st = sub.add_parser("study", help="run a study file (grid x variants x rates x seeds) or show its status")
-    st.add_argument("action", choices=["run", "status", "verify", "amend"],
-                    help="run: train the cells not done; status: list them; verify: retrain committed cells of a "
+    st.add_argument("action", choices=["run", "status", "verify", "amend", "cancel"],
+                    help="run: train the cells not done; status: list them; cancel: cancel the study's Slurm jobs "
+                    "(checkpoints and results stay); verify: retrain committed cells of a "
                     "results folder from their recorded config and compare bit for bit; amend: replace the "
                     "registered [claims] and design (seeds, grid, variants) of a study that has results by the file's, "
                     "in the open (--why)")
@@ -206,6 +207,17 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--results", default=None, help="folder for result files, e.g. docs/results/<name> "
                     "(default: <out>/results); a cell with a result here is done")
     st.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+    st.add_argument("--executor", choices=["local", "slurm"], default="local",
+                    help="local: worker processes here (default); slurm: one Slurm array task per cell "
+                    "(docs/cluster.md)")
+    st.add_argument("--cluster", default=None, metavar="FILE",
+                    help="slurm: a cluster profile (TOML: partition, account, qos, cpus, gpus, mem, time, max_running, "
+                    "sbatch, setup, ...); never part of the study or its hashes")
+    st.add_argument("--slurm", action="append", default=[], metavar="KEY=VALUE",
+                    help="slurm: a profile key on the command line, over the profile's, e.g. --slurm partition=gpu "
+                    "--slurm time=4:00:00 (repeatable)")
+    st.add_argument("--wait", action="store_true",
+                    help="slurm: follow the submitted cells until none is queued or running (default: return at once)")
     st.add_argument("--cells", type=_count(1, "verify 1 or more cells"), default=1,
                     help="verify: how many finished cells to retrain, drawn at random (default 1)")
     st.add_argument("--seed", type=int, default=None, help="verify: the seed of the random draw")

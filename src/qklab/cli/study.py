@@ -1,4 +1,5 @@
-"""``qklab study run|status FILE``: the command-line side of studies (the CLI module stays thin).
+"""``qklab study run|status|cancel FILE``: the command-line side of studies (the CLI module stays thin; the
+Slurm executor's side is ``cli/cluster.py``).
 
 ``qklab study run`` from a checkout with uncommitted changes to tracked files is refused (one line, exit 2)
 unless ``--allow-dirty`` (or ``QKLAB_ALLOW_DIRTY=1``) is given; then the diff is stored with the results.
@@ -97,16 +98,24 @@ def time_left(spent: float, cost_done: float, cost_left: float, workers: int) ->
             f"({workers} at a time)")
 
 
-def _status(study: Study, results: Path) -> int:
+def _status(study: Study, results: Path, out: Path) -> int:
+    from qklab.cli.cluster import slurm_view
+
     index = reuse_index(study.protocol.reuse, warn)
     done = n_reuse = 0
     pace = [0.0, 0.0, 0.0]  # seconds of the finished cells, their cost, the cost of the cells to train
+    slurm = slurm_view(study, out)  # a study submitted to Slurm: its live tasks too
+    if slurm is not None and slurm.problem:
+        warn(f"warning: the Slurm state is unknown ({slurm.problem}); showing the results folder alone")
     for c in study.cells:
         status, res = cell_status(c, results, warn)
         detail = (res or {}).get("status", "") if status != "done" else str(cell_outcome(res))
         src = reusable(c, study, index) if status not in ("done",) else None
         if src is not None:
             status, detail, n_reuse = "reuse", f"from {src[0]} ({src[1]['status']})", n_reuse + 1
+        seen = slurm.cell(c.id, status, res) if slurm is not None else None
+        if seen is not None:
+            status, detail = seen
         done += status == "done"
         seconds = res.get("seconds") if status == "done" and not res.get("reused_from") else None
         if isinstance(seconds, int | float) and seconds > 0:
@@ -187,9 +196,16 @@ def study_command(args: argparse.Namespace) -> int:
     out = folder(args.out or Path("runs") / "studies" / study.name, "--out")
     results = folder(args.results, "--results") if args.results else folder(out / "results", "--out")
     if args.action == "status":
-        return _status(study, results)
+        return _status(study, results, out)
     if args.action == "amend":
         return _amend(study, results, getattr(args, "why", None))
+    from qklab.cli import cluster
+
+    if args.action == "cancel":
+        return cluster.slurm_cancel(study, out)
+    if getattr(args, "executor", "local") == "slurm":
+        return cluster.slurm_run(study, out, results, args)
+    cluster.refuse_local_if_live(study, out)
     allow_dirty = getattr(args, "allow_dirty", False) or allow_dirty_env()
     outcome, _ = run_and_report(study, out, results, workers_for(study, args.workers), report=not args.no_report,
                                 threads=getattr(args, "threads", None), allow_dirty=allow_dirty)

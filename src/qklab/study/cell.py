@@ -60,6 +60,7 @@ def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, pro
 
     log_path = out / "logs" / f"{cell.id}.log"
     header = cell_header(cell, study, log_path)
+    main = os.environ.get("RANK", "0") == "0"  # under torchrun (a Slurm task's several processes) rank 0 writes
     t0, cpu0, chash = time.time(), _cpu_seconds(), cell.hash
     try:
         cfg = run_config(cell, out, threads)
@@ -75,16 +76,20 @@ def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, pro
         # time spent on this cell by earlier, interrupted invocations (counted in seconds / cpu_seconds)
         before = {k: float(started.get(k, 0.0)) if resume else 0.0 for k in ("seconds", "cpu_seconds")}
         t0, cpu0 = t0 - before["seconds"], cpu0 - before["cpu_seconds"]
-        write_json_atomic(mark, {"cell_hash": chash, **before})
+        if main:
+            write_json_atomic(mark, {"cell_hash": chash, **before})
         stopped = None
         try:
             trainer.run()
         except NonFiniteError as e:  # a diverged cell is a result, not a failure
             stopped = str(e)
         except RunInterrupted:
-            write_json_atomic(mark, {"cell_hash": chash, "seconds": time.time() - t0,
-                                     "cpu_seconds": _cpu_seconds() - cpu0})
+            if main:
+                write_json_atomic(mark, {"cell_hash": chash, "seconds": time.time() - t0,
+                                         "cpu_seconds": _cpu_seconds() - cpu0})
             raise
+        if not main:
+            return {}
         unigram = unigram_entropy(data.select_tokens(), data.vocab_size)
         res = build_result(header, run_dir, read_metrics(run_dir / "metrics.jsonl"), unigram, chash,
                            time.time() - t0, stopped)
@@ -94,6 +99,8 @@ def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, pro
         raise  # (a hand-started `qklab train`) is training this cell: not done, not failed; a re-run resumes
     except Exception as e:  # any failure of the cell is recorded and the study goes on
         traceback.print_exc()
+        if not main:  # a failure on another rank: rank 0 records the cell's (its collectives fail with it)
+            raise
         res = failed_result(header, f"{type(e).__name__}: {e}".splitlines()[0], chash, time.time() - t0)
     res["cpu_seconds"] = _cpu_seconds() - cpu0  # this process's CPU time (user + system) for the cell
     if code is not None:

@@ -124,11 +124,18 @@ def run_study(study: Study, out: Path, results: Path | None = None, workers: int
         raise ConfigError(f"the checkout {code.root} has uncommitted changes to tracked files (git diff HEAD); "
                           "commit them, or pass --allow-dirty to record the diff with the results")
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    lock = _study_lock(study, out)  # before anything is written: a second run of the study changes nothing
+    with study_locks(study, out, results):  # before anything is written: a second run changes nothing
+        return _run_study(study, out, results, workers, log, threads, warn or log, code)
+
+
+@contextlib.contextmanager
+def study_locks(study: Study, out: Path, results: Path):
+    """The study folder's and the results folder's locks, for the life of the block (one writer each)."""
+    lock = _study_lock(study, out)
     try:
         rlock = _results_lock(study, out, results)
         try:
-            return _run_study(study, out, results, workers, log, threads, warn or log, code)
+            yield
         finally:
             rlock.release()
     finally:
@@ -286,10 +293,9 @@ def _study_lock(study: Study, out: Path):
                           "or give another --out") from None
 
 
-def _run_study(study: Study, out: Path, results: Path, workers: int, log, threads: int | None, warn,
-               code: CodeVersion | None = None) -> Outcome:
-    from qklab.data import prepare_data
-
+def pending(study: Study, results: Path, log, warn) -> tuple[Outcome, list[Cell]]:
+    """Register the study (study.json: its design and plan) and sort its cells: done ones (reused ones
+    copied in) go into the outcome, the rest are returned, in the study's order."""
     _write_study_json(study, results, warn)
     outcome = Outcome()
     todo: list[Cell] = []
@@ -314,10 +320,15 @@ def _run_study(study: Study, out: Path, results: Path, workers: int, log, thread
         + f", {len(todo)} to run" + (f" ({stale} with results of a changed config)" if stale else "")
         + (f" ({len(outcome.damaged)} with a damaged result file)" if outcome.damaged else "")
         + f"; results in {results}")
-    if not todo:
-        return outcome
-    rec = record_code(code if code is not None else code_version(), results)
-    # data: once per distinct data config, before any worker starts (workers then reuse the cache)
+    return outcome, todo
+
+
+def prepare_cells(study: Study, todo: list[Cell], out: Path, results: Path, outcome: Outcome, rec: dict,
+                  log) -> list[Cell]:
+    """Prepare each distinct data config once (before any cell starts: cells then read the cache); the
+    cells whose data fails are recorded as failed. Returns the others, in queue order."""
+    from qklab.data import prepare_data
+
     by_data: dict[str, list[Cell]] = {}
     for cell in todo:
         by_data.setdefault(repr(cell.cfg.data), []).append(cell)
@@ -337,9 +348,18 @@ def _run_study(study: Study, out: Path, results: Path, workers: int, log, thread
                 outcome.results[cell.id] = res
                 outcome.ran.append(cell.id)
             log(f"  {len(cells)} cell(s) failed: {msg}")
+    return queue_order(runnable, study)
+
+
+def _run_study(study: Study, out: Path, results: Path, workers: int, log, threads: int | None, warn,
+               code: CodeVersion | None = None) -> Outcome:
+    outcome, todo = pending(study, results, log, warn)
+    if not todo:
+        return outcome
+    rec = record_code(code if code is not None else code_version(), results)
+    runnable = prepare_cells(study, todo, out, results, outcome, rec, log)
     # an old result (another config's) stays until the cell's new result replaces it by rename; the pool
     # tells the new one from it by the file's identity
-    runnable = queue_order(runnable, study)
     threads = threads or max(1, (os.cpu_count() or 1) // max(workers, 1))
     steps = {c.id: c.cfg.train.steps for c in runnable}
     bar = tqdm(total=sum(steps.values()), unit="step", desc=study.name, dynamic_ncols=True,

@@ -78,9 +78,10 @@ def _watch_study(alive) -> None:
     os._exit(128 + signal.SIGKILL)
 
 
-def _worker(cell: Cell, study: str, out: Path, results: Path, threads: int, probe: int, alive=None,
+def worker_main(cell: Cell, study: str, out: Path, results: Path, threads: int, probe: int, alive=None,
             code: dict[str, Any] | None = None) -> None:
-    """Entry point of a worker process: everything it prints goes to the cell's log."""
+    """Entry point of a worker process (and of a Slurm task, ``study.task``): everything it prints goes to
+    the cell's log."""
     _die_with_parent()
     if alive is not None:
         import threading
@@ -208,7 +209,7 @@ def run_pool(cells: list[Cell], study: Study, out: Path, results: Path, workers:
             while queue and len(running) < workers:
                 cell = queue.pop(0)
                 before[cell.id] = _stamp(results / cell.id / "result.json")
-                p = ctx.Process(target=_worker, name=f"qklab-{cell.id}", daemon=False,
+                p = ctx.Process(target=worker_main, name=f"qklab-{cell.id}", daemon=False,
                                 args=(cell, study.name, out, results, threads, study.protocol.probe, alive_r, code))
                 p.start()
                 running[cell.id] = (cell, p)
