@@ -249,3 +249,16 @@ def test_a_trained_step_changes_the_method_parameters_with_the_model():
     optimizers.step()
     after = model.layers["0"].attention.qk.state_dict()
     assert all(not torch.equal(before[k], after[k]) for k in ("method.log_freq", "method.log_temp"))
+
+
+def test_the_command_line_override_form():
+    """What `--override.imports 'qklab.integrations.torchtitan.qk_attention={...}'` hands torchtitan."""
+    from torchtitan.config import OverrideConfig, apply_overrides
+    from torchtitan.config.override import parse_cli_imports
+
+    spec = model_registry("debugmodel")
+    token = 'qklab.integrations.torchtitan.qk_attention={"method": "softcap", "cap": 30.0}'
+    done = apply_overrides(OverrideConfig(imports=parse_cli_imports([token])), spec)
+    assert len(done) == len(spec.model.layers) == 6
+    cfg = spec.model.layers[0].attention
+    assert isinstance(cfg, tt.QKGQAttention.Config) and (cfg.qk_method, cfg.qk_options) == ("softcap", {"cap": 30.0})
