@@ -262,3 +262,41 @@ def test_the_command_line_override_form():
     assert len(done) == len(spec.model.layers) == 6
     cfg = spec.model.layers[0].attention
     assert isinstance(cfg, tt.QKGQAttention.Config) and (cfg.qk_method, cfg.qk_options) == ("softcap", {"cap": 30.0})
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_method_none_is_torchtitans_own_attention(family):
+    """apply(.., "none") on Llama 3 (ComplexRoPE, fused MHA) and Qwen 3 (CosSinRoPE, its q/k norms, fused
+    GQA) with the stock model's weights: the same logits as torchtitan's own model, through its
+    FlexAttention and through qklab's attention (fp32, forward: the CPU's FlexAttention)."""
+    import importlib
+
+    registry = importlib.import_module(f"torchtitan.models.{family}").model_registry
+
+    def build(method):
+        torch.manual_seed(0)
+        spec = registry("debugmodel")
+        spec.model.layers = spec.model.layers[:1]
+        if method is not None:
+            tt.apply(spec, method)
+        model = spec.model.build()
+        model.init_states()
+        return model
+
+    stock, ours = build(None), build("none")
+    ours.load_state_dict(stock.state_dict())  # the same names: qklab.QK of "none" has no parameters
+    attn = ours.layers["0"].attention
+    assert attn.q_norm is not None if family == "qwen3" else attn.q_norm is None  # "none" keeps the model's norms
+    tok = torch.randint(0, 2048, (B, L))
+    pos = torch.arange(L).expand(B, L)
+    with torch.no_grad():
+        want = stock(tok, pos, stock.get_attention_masks(pos))
+        got = ours(tok, pos, ours.get_attention_masks(pos))
+        attn.qk_attention = "qklab"
+        eager = ours(tok, pos, ours.get_attention_masks(pos))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(eager, want, rtol=1e-4, atol=1e-4)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    if family == "qwen3":  # fused GQA rows are no per-head view; and its norms bound the logits
+        with pytest.raises(ConfigError, match="build GQA layers with fuse_qkv=False"):
+            tt.attach(ours, opt, "qkclip", tau_clip=10.0)
