@@ -26,7 +26,7 @@ def test_planted_retrieval_head_scores_at_the_top():
     assert [r["extrapolation"] for r in res["lengths"]] == [False, False, True]
     for r in res["lengths"]:  # figures: mass 1.000, rank 1, log-contrast ~33, accuracy 1 at every N
         assert r["mass"] > 0.99 and r["rank"] == 1.0 and r["top1"] == 1.0
-        assert r["log_contrast"] > 10.0 and r["accuracy"] == 1.0
+        assert r["log_contrast"] > 10.0 and r["accuracy"] == 1.0 and r["contrast"] > 10.0
     assert len(res["cells"]) == 9 and all(c["mass_per_head"][0][0] < 0.05 for c in res["cells"])
 
 
@@ -35,7 +35,7 @@ def test_random_model_scores_at_the_control_level():
     text = np.random.default_rng(1).integers(0, 50, 4000)
     res = retrieval_test(model, text, np.arange(50, 97), [64, 128], train_len=64, n_samples=8)
     for r in res["lengths"]:  # figures at N=64: mass 0.031 (uniform 0.031), log-contrast 0.00 +- 0.02, acc 0
-        assert abs(r["log_contrast"]) < 0.05 and r["log_contrast_std"] < 0.1
+        assert abs(r["log_contrast"]) < 0.05 and r["log_contrast_std"] < 0.1 and abs(r["contrast"]) < 0.1
         assert abs(r["mass"] - r["uniform_mass"]) < 0.1 * r["uniform_mass"]
         assert r["top1"] < 0.2 and r["accuracy"] < 0.2
         assert r["rank"] > 0.2 * r["chance_rank"]
@@ -60,6 +60,10 @@ def test_measures_match_the_eager_attention():
             torch.testing.assert_close(vals["mass"][i, li].double(), mass, atol=1e-6, rtol=1e-5)
             torch.testing.assert_close(vals["log_contrast"][i, li].double(),
                                        (mass / p[i][:, ctrl].sum(dim=-1)).log(), atol=1e-5, rtol=1e-5)
+            others = torch.ones(p.shape[-1], dtype=torch.bool)
+            others[ev[1]] = False  # the value against the mean of every other key the query sees
+            torch.testing.assert_close(vals["contrast"][i, li].double(),
+                                       (p[i][:, ev[1]] / p[i][:, others].mean(dim=-1)).log(), atol=1e-5, rtol=1e-5)
             for h in range(p.shape[1]):
                 best = p[i, h, ev].max()
                 assert vals["rank"][i, li, h].item() == 1 + int((p[i, h] > best * (1 + 1e-6)).sum())

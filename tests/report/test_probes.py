@@ -44,9 +44,10 @@ def test_probes_table_pairs_every_measure_with_the_reference(tmp_path):
     assert head == ["measure", "none", "qkmap (vs none)", "qknorm (vs none)"]
     table = {r[0]: r[1:] for r in rows}
     assert list(table) == ["first-token attention (uniform: 0.020)", "evidence log-contrast at 64 tokens",
-                           "evidence mass at 64 tokens (uniform: 0.0300)",
+                           "evidence mass at 64 tokens (uniform: 0.0300)", "retrieval accuracy at 64 tokens",
                            "evidence log-contrast at 128 tokens, beyond the training length",
                            "evidence mass at 128 tokens, beyond the training length (uniform: 0.0150)",
+                           "retrieval accuracy at 128 tokens, beyond the training length",
                            "attention change (JS) at input scale x0.25", "attention change (JS) at input scale x4"]
     # the reference: mean ± sample std over seeds
     c = np.asarray(contrast["none"])
@@ -63,6 +64,7 @@ def test_probes_table_pairs_every_measure_with_the_reference(tmp_path):
     # identical differences on every seed: a zero-width interval
     assert table["first-token attention (uniform: 0.020)"][1].endswith("(-0.020 [-0.020, -0.020])")
     assert table["attention change (JS) at input scale x4"][2] == "0.000 ± 0.000 (-0.300 [-0.300, -0.300])"
+    assert table["retrieval accuracy at 64 tokens"][1] == "0.100 ± 0.000 (+0.000 [+0.000, +0.000])"
     md = (out / "report.md").read_text()
     assert "## Attention probes of pq at the chosen rates" in md and "| evidence mass at 64 tokens" in md
 

@@ -10,6 +10,8 @@ from qklab.errors import DataError
 
 from .english import ENGLISH
 
+MQAR = "mqar"  # the synthetic recall task of data/mqar.py
+
 PYSTDLIB = "pystdlib"
 HF_PREFIX = "hf:"
 TOKENIZER_KINDS = ("bpe", "bytes")
@@ -28,7 +30,8 @@ class DataConfig:
 
     source: str = field(default=PYSTDLIB, metadata={
         "doc": "the text: pystdlib (the running Python's standard library .py files), english (the corpus of "
-               "make corpus, docs/corpus.md), a local file, folder or glob of text files, or hf:<path or hub name>"})
+               "make corpus, docs/corpus.md), a local file, folder or glob of text files, hf:<path or hub name>, "
+               "or mqar (synthetic multi-query associative recall, qklab.data.mqar: no text, no tokenizer)"})
     tokenizer: str = field(default="bpe", metadata={
         "doc": "bpe: byte-level BPE trained on the train split; bytes: one token per byte",
         "allowed": " | ".join(TOKENIZER_KINDS)})
@@ -47,6 +50,14 @@ class DataConfig:
     retrieval: float = field(default=0.0, metadata={
         "doc": "share of training sequences that carry the synthetic key-value retrieval task (qklab.data.retrieval); "
                "0 trains on the text alone", "allowed": "in [0, 1]"})
+    mqar_keys: int = field(default=64, metadata={
+        "doc": "source mqar: key ids (as many value ids; the vocabulary is 2 x keys + 32 filler ids)",
+        "allowed": "in [2, 16000]"})
+    mqar_pairs: int = field(default=8, metadata={
+        "doc": "source mqar: key-value pairs per sequence (at most mqar_keys)", "allowed": ">= 1"})
+    mqar_queries: int = field(default=0, metadata={
+        "doc": "source mqar: queries per sequence, the keys asked in shuffled rounds (0: each key once); at most "
+               "the query slots of train.seq_len", "allowed": ">= 0"})
 
     def validate(self) -> None:
         """Raise DataError naming the first invalid setting and how to fix it."""
@@ -55,11 +66,19 @@ class DataConfig:
         if self.source.startswith(HF_PREFIX):
             if not self.source[len(HF_PREFIX) :].strip():
                 raise DataError("data.source: 'hf:' needs a dataset after it, e.g. 'hf:data/train.jsonl'")
-        elif self.source not in (PYSTDLIB, ENGLISH) and not _local_source_exists(self.source):
+        elif self.source not in (PYSTDLIB, ENGLISH, MQAR) and not _local_source_exists(self.source):
             raise DataError(
                 f"data.source: no such file, folder or glob {self.source!r}; "
                 "give an existing path or 'pystdlib'"
             )
+        if not _is_int(self.mqar_keys) or not 2 <= self.mqar_keys <= 16000:
+            raise DataError(f"data.mqar_keys: {self.mqar_keys!r} is out of range; use an integer from 2 to 16000")
+        if not _is_int(self.mqar_pairs) or self.mqar_pairs < 1:
+            raise DataError(f"data.mqar_pairs: {self.mqar_pairs!r} is out of range; use 1 or more pairs (at most "
+                            "data.mqar_keys)")
+        if not _is_int(self.mqar_queries) or self.mqar_queries < 0:
+            raise DataError(f"data.mqar_queries: {self.mqar_queries!r} is invalid; use 0 (each key once) or a "
+                            "positive number of queries")
         if self.tokenizer not in TOKENIZER_KINDS:
             raise DataError(f"data.tokenizer: {self.tokenizer!r} is unknown; use 'bpe' or 'bytes'")
         if self.tokenizer == "bpe" and not (

@@ -16,7 +16,9 @@ from tqdm import tqdm
 
 from qklab.atomic import atomic_write_bytes
 
+from . import mqar
 from .config import DataConfig, DataError
+from .loader import TokenLoader
 from .sources import Document, load_documents
 from .split import content_sha256, heldout_parts, split_documents
 from .tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
@@ -52,6 +54,11 @@ class PreparedData:
         val = self.val_tokens()
         return val[heldout_parts(val, self.eot_id)[0]]
 
+    def eval_batches(self, part: str, batch_size: int, seq_len: int, n_batches: int):
+        """n_batches fixed (x, y) batches of the held-out ``part``: "selection" or "report"."""
+        tokens = self.select_tokens() if part == "selection" else self.report_tokens()
+        return TokenLoader.eval_batches(tokens, batch_size, seq_len, n_batches, name=f"{part} (held-out)")
+
     def report_tokens(self) -> np.ndarray:
         """The report part of the held-out tokens (second half): read once at the end of a run, for the
         numbers a study reports; nothing is chosen on it."""
@@ -59,9 +66,12 @@ class PreparedData:
         return val[heldout_parts(val, self.eot_id)[1]]
 
 
-def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print) -> PreparedData:
-    """Read, split and tokenize cfg.source, reusing the tokenizer and tokens cached in cfg.cache_dir."""
+def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print) -> PreparedData | mqar.MQARData:
+    """Read, split and tokenize cfg.source, reusing the tokenizer and tokens cached in cfg.cache_dir (the
+    synthetic source mqar: its generator, nothing read or cached)."""
     cfg.validate()
+    if cfg.source == mqar.MQAR:
+        return mqar.prepare(cfg)
     source = load_documents(cfg)
     log(source.summary())
     if not source.docs:

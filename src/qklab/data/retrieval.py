@@ -23,6 +23,7 @@ import torch
 
 from .config import DataError
 from .loader import TokenLoader
+from .mqar import MQARData, MQARLoader
 from .prepare import PreparedData
 
 N_PAIRS = 4  # key-value pairs per sequence
@@ -121,9 +122,13 @@ class RetrievalLoader(TokenLoader):
         self._task_rng.bit_generator.state = state["task_bit_generator"]
 
 
-def train_loader(data: PreparedData, batch_size: int, seq_len: int, seed: int, share: float) -> TokenLoader:
+def train_loader(data: PreparedData | MQARData, batch_size: int, seq_len: int, seed: int,
+                 share: float) -> TokenLoader | MQARLoader:
     """The training loader: plain windows, or with ``share`` > 0 (``data.retrieval``) windows of which
-    that share carry the retrieval task, keys and values drawn from the ids seen in training."""
+    that share carry the retrieval task, keys and values drawn from the ids seen in training; for the
+    synthetic source mqar, its own sequences."""
+    if isinstance(data, MQARData):
+        return data.train_loader(batch_size, seq_len, seed)
     tokens = data.train_tokens()
     if share <= 0:
         return TokenLoader(tokens, batch_size, seq_len, seed=seed)

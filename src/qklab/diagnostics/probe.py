@@ -18,10 +18,12 @@ from typing import Any
 import torch
 
 from qklab.data import prepare_data
+from qklab.data.mqar import MQARData
 from qklab.data.retrieval import N_PAIRS, seen_pool
 from qklab.diagnostics import plots
 from qklab.diagnostics.evidence import DEPTHS, SEG_LEN, evidence_contrast
 from qklab.diagnostics.monitor import probe_batch, snapshot, summarise
+from qklab.diagnostics.mqar import mqar_evidence
 from qklab.diagnostics.retrieval import retrieval_test
 from qklab.diagnostics.sensitivity import SCALES, magnitude_sensitivity
 from qklab.diagnostics.series import head_series
@@ -127,7 +129,11 @@ def run_probe(path: str | Path, out: str | Path | None = None, opts: ProbeOption
         "heads": summarise(snap.heads, snap.sink, T),
         "magnitude": magnitude_sensitivity(model, x, SCALES),
     }
-    if opts.evidence:
+    if opts.evidence and isinstance(data, MQARData):  # the task it trained on: the MQAR evidence test alone
+        result["retrieval"] = mqar_evidence(model, data.spec, T, [m for m in MULTS if m <= opts.max_mult],
+                                            batch=max(1, min(opts.batch or 8, 8)))
+        result["induction"] = {"cells": [], "skipped": [{"length": T, "reason": "no text: data.source is mqar"}]}
+    elif opts.evidence:
         pool = seen_pool(data.train_tokens(), cfg.model.vocab_size, (data.eot_id,))
         batch = max(1, min(opts.batch or 4, 4))
         result["retrieval"] = retrieval_test(model, val, pool, probe_lengths(T, opts.max_mult, 2 * (2 * N_PAIRS + 1)),

@@ -10,6 +10,11 @@ For the query (the last position) and each head, with A its attention row and s 
 * ``log_contrast``: log (A[k_j] + A[v_j]) - log (A[k_i] + A[v_i]) for a control pair i != j at the same
   depth (logsumexp of logits, exact where A rounds to 0 or 1); 0 when the head does not prefer the
   evidence over a matched distractor;
+* ``contrast``: log(A[v_j] / mean of A over every other allowed key) = s[v_j] - logsumexp_{k != v_j} s[k]
+  + log(N - 1) (``evidence.contrast_from_logits``): the value's position against the whole context, not
+  a matched pair (0 for uniform attention). The value, not the key: under the causal mask the key's
+  position has not seen its value, so what the model copies stands where the value is (the token after
+  the key's earlier occurrence, what an induction head attends to);
 * ``accuracy``: the model's argmax next token is v_j.
 
 The head is chosen once, before scoring: the layer and head with the highest mean evidence mass on
@@ -27,9 +32,10 @@ from torch import nn
 
 from qklab.data.retrieval import N_PAIRS, query_context
 from qklab.diagnostics.capture import logit_rows, model_device, probe_mode, qk_hooks, rope_length
+from qklab.diagnostics.evidence import contrast_from_logits
 
 DEPTHS = (0.1, 0.5, 0.9)
-METRICS = ("mass", "rank", "log_contrast")
+METRICS = ("mass", "rank", "log_contrast", "contrast")
 
 
 def _contexts(text: np.ndarray, n: int, depth: float, pool: np.ndarray, n_pairs: int, n_samples: int,
@@ -47,21 +53,24 @@ def _measure(model: nn.Module, ctxs, batch: int) -> tuple[dict[str, torch.Tensor
     for i in range(0, len(ctxs), batch):
         part = ctxs[i : i + batch]
         x = torch.from_numpy(np.stack([c.tokens for c in part])).to(dev)  # (b, N)
-        ev = torch.tensor([c.positions(c.query) for c in part], device=dev)  # (b, 2)
+        ev = torch.tensor([c.positions(c.query) for c in part], device=dev)  # (b, 2): key, value
+        q_at = torch.tensor([x.shape[1] - 1], device=dev)  # the query: the last position
         ctrl = torch.tensor([c.positions(c.control) for c in part], device=dev)  # (b, 2)
         per_layer: dict[int, dict[str, torch.Tensor]] = {}
 
         def on_layer(li: int, attn: nn.Module, q: torch.Tensor, k: torch.Tensor, ev=ev, ctrl=ctrl,
-                     per_layer=per_layer) -> None:
+                     per_layer=per_layer, q_at=q_at) -> None:
             n = q.shape[2]
             s = logit_rows(attn, q, k, n - 1, n)[:, :, 0]  # (b, H, N): the query sees every key
             H = s.shape[1]
             lse_ev = s.gather(-1, ev.unsqueeze(1).expand(-1, H, -1)).logsumexp(dim=-1)  # (b, H)
             lse_ctrl = s.gather(-1, ctrl.unsqueeze(1).expand(-1, H, -1)).logsumexp(dim=-1)
             best_ev = s.gather(-1, ev.unsqueeze(1).expand(-1, H, -1)).amax(dim=-1)  # (b, H)
+            value = torch.stack([contrast_from_logits(s[b : b + 1, :, None], q_at, ev[b, 1:])[0, :, 0]
+                                 for b in range(s.shape[0])])  # (b, H): the value against every other key
             per_layer[li] = {"mass": (lse_ev - s.logsumexp(dim=-1)).exp(),
                              "rank": 1.0 + (s > best_ev.unsqueeze(-1)).sum(dim=-1).float(),
-                             "log_contrast": lse_ev - lse_ctrl}
+                             "log_contrast": lse_ev - lse_ctrl, "contrast": value}
 
         with qk_hooks(model, on_layer):
             logits, _ = model(x)  # (b, N, V)
@@ -125,7 +134,8 @@ def retrieval_test(model: nn.Module, text: np.ndarray, pool: np.ndarray, lengths
                 res["cells"].append({"length": n, "depth": p, "extrapolation": n > train_len,
                                      **_stats(vals, hits, layer, head),
                                      "mass_per_head": vals["mass"].mean(dim=0).tolist(),
-                                     "log_contrast_per_head": vals["log_contrast"].mean(dim=0).tolist()})
+                                     "log_contrast_per_head": vals["log_contrast"].mean(dim=0).tolist(),
+                                     "contrast_per_head": vals["contrast"].mean(dim=0).tolist()})
             vals = {k: torch.cat([v[k] for v, _ in per_depth]) for k in METRICS}
             hits = torch.cat([h for _, h in per_depth])
             res["lengths"].append({"length": n, "extrapolation": n > train_len, "uniform_mass": 2.0 / n,

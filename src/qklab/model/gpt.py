@@ -54,6 +54,7 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.rope = Rope(cfg.max_seq_len, cfg.rope_theta, Yarn.from_config(cfg))
+        self.ignore_index: int | None = None  # a target id without loss (a task scored at some positions only)
         self.init_weights()
 
     @torch.no_grad()
@@ -115,7 +116,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.norm(x))  # (B, T, V)
         loss = None
         if targets is not None:
-            loss = cross_entropy(logits.flatten(0, 1), targets.flatten())
+            loss = cross_entropy(logits.flatten(0, 1), targets.flatten(), self.ignore_index)
         return logits, loss
 
     def make_caches(self, batch: int, max_len: int | None = None,

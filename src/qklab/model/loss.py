@@ -17,6 +17,7 @@ value and gradient.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -34,8 +35,12 @@ class _CrossEntropy(torch.autograd.Function):
         return g.mul_(grad / g.shape[0]), None
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of logits (N, V) against integer targets (N,), computed in fp32 (or fp64)."""
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int | None = None) -> torch.Tensor:
+    """Mean cross-entropy of logits (N, V) against integer targets (N,), computed in fp32 (or fp64). With
+    ``ignore_index``, the mean over the targets that are not it (torch's own loss: a task scored at a few
+    positions, whose vocabulary is small)."""
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()
+    if ignore_index is not None:
+        return F.cross_entropy(logits, targets.long(), ignore_index=ignore_index)
     return _CrossEntropy.apply(logits, targets.long())

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from qklab.report.scale_claims import MEASURES as SCALE_MEASURES
 from qklab.report import controls
+from qklab.report.scale_claims import MEASURES as SCALE_MEASURES
 from qklab.study.analyze import best_by_place, highest_within, place
 from qklab.study.plan import (
     CATALOGUE,
@@ -301,7 +301,7 @@ def _elsewhere(reason: str) -> Callable:
 def _probe_value(probe: dict, key: str, context: int):
     """A probe's ``key``: from its summary (context 0: at the training length), else the retrieval entry at
     ``context`` tokens."""
-    if context and key == "log_contrast":
+    if context and key in ("log_contrast", "contrast"):
         return next((r.get(key) for r in probe.get("retrieval") or [] if int(r["length"]) == context), None)
     return probe["summary"].get(key)
 
@@ -401,7 +401,8 @@ MEASURE: dict[str, Callable] = {
     "qkmap.first_token_vs_gate": _less(QKMAP, (MHA, "none+gate-head", "none"), "first_token", "first-token attention"),
     "qkmap.input_scale": _probe_claim("magnitude_js_a4", QKMAP, QKN, higher=True),
     "qkmap.evidence": _probe_claim("log_contrast", QKMAP, STD, higher=True),
-    "qkmap.evidence_vs_qknorm": _probe_claim("log_contrast", QKMAP, QKN, higher=True),
+    "qkmap.evidence_contrast": _probe_claim("contrast", QKMAP, STD, higher=True),
+    "qkmap.evidence_contrast_vs_qknorm": _probe_claim("contrast", QKMAP, QKN, higher=True),
     "control.retrieval_learned": controls.accuracy_control(STD),
     "quack.stable_mha": _stable_rate(QUACK, STD),
     "quack.stable_mla": _stable_rate(MLA_QUACK, MLA_STD),
@@ -482,7 +483,7 @@ def _table(groups: list[dict], plans: dict[str, dict] | None) -> list[dict[str, 
     rows = []
     for cid in CATALOGUE:
         regs = sorted((s, pl[cid]) for s, pl in (plans or {}).items() if pl and cid in pl)
-        if not regs and (CATALOGUE[cid][0] in OWN_PAPERS or cid in OWN_CLAIMS):  # a study's own claim: listed where registered
+        if not regs and (CATALOGUE[cid][0] in OWN_PAPERS or cid in OWN_CLAIMS):  # listed where registered
             continue
         if regs:
             rows.append(_row(cid, groups, regs[0][1], regs[0][0], True))

@@ -3,7 +3,8 @@ variant's chosen rate, as mean ± std over seeds, with the paired difference to 
 variant (same seeds) and its 95% t-interval.
 
 Rows: first-token attention beside its uniform-attention baseline, the sink rate, the retrieval evidence
-log-contrast and evidence mass at every probed context length (beyond the training length marked), and
+log-contrast (against a control pair; where measured, also against the whole context), evidence mass and
+accuracy at every probed context length (beyond the training length marked), and
 the attention change (Jensen-Shannon divergence) at every input scale. This is the table behind the
 QK-MAP paper's first-token, evidence-contrast and magnitude claims, read at every length rather than at
 the one length the claims table uses.
@@ -58,8 +59,11 @@ def _measures(probes: list[dict[str, Any]]) -> list[tuple[str, Getter]]:
         tag = f"{n} tokens" + (", beyond the training length" if beyond else "")
         uni = _nanmean([_retrieval(n, "uniform_mass")(p) for p in probes])
         rows.append((f"evidence log-contrast at {tag}", _retrieval(n, "log_contrast")))
+        if any(_retrieval(n, "contrast")(p) is not None for p in probes):  # probes that measured it
+            rows.append((f"evidence contrast against the whole context at {tag}", _retrieval(n, "contrast")))
         rows.append((f"evidence mass at {tag}" + (f" (uniform: {uni:.4f})" if math.isfinite(uni) else ""),
                      _retrieval(n, "mass")))
+        rows.append((f"retrieval accuracy at {tag}", _retrieval(n, "accuracy")))
     scales = sorted({a for p in probes for a in (p.get("magnitude") or {}).get("scales") or [] if a != 1.0})
     rows += [(f"attention change (JS) at input scale x{a:g}", _js(a)) for a in scales]
     return rows

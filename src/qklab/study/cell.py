@@ -145,6 +145,6 @@ def _probe(run_dir: Path, max_mult: int) -> dict[str, Any]:
 
     full = run_probe(run_dir, out=run_dir / "probe", opts=ProbeOptions(max_mult=max_mult))
     rows = (full.get("retrieval") or {}).get("lengths") or []
-    keep = ("length", "extrapolation", "mass", "uniform_mass", "log_contrast", "rank", "top1", "accuracy")
+    keep = ("length", "extrapolation", "mass", "uniform_mass", "log_contrast", "contrast", "rank", "top1", "accuracy")
     return {"summary": probe_summary(full), "retrieval": [{k: r.get(k) for k in keep} for r in rows],
             "magnitude": {k: (full.get("magnitude") or {}).get(k) for k in ("scales", "js_mean")}}

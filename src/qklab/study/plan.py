@@ -84,10 +84,15 @@ CATALOGUE: dict[str, tuple[str, str, str, str]] = {
     "qkmap.evidence": ("QK-MAP", "probe", "stronger attention contrast on relevant evidence at long context",
                        "probe: retrieval evidence log-contrast at the registered context (default: the training "
                        "length)"),
-    "qkmap.evidence_vs_qknorm": ("QK-MAP", "probe", "stronger attention contrast on relevant evidence at long "
-                                 "context than QK-Norm",
-                                 "probe: retrieval evidence log-contrast at the registered context (default: the "
-                                 "training length), QK-MAP minus QK-Norm"),
+    "qkmap.evidence_contrast": ("QK-MAP", "probe", "stronger attention contrast on relevant evidence at long "
+                                "context than Standard attention (the evidence against the whole context)",
+                                "probe: log-contrast of the queried value's position against every other position "
+                                "the query sees, at the registered context, QK-MAP minus `none`"),
+    "qkmap.evidence_contrast_vs_qknorm": ("QK-MAP", "probe", "stronger attention contrast on relevant evidence at "
+                                          "long context than QK-Norm (the evidence against the whole context)",
+                                          "probe: log-contrast of the queried value's position against every other "
+                                          "position the query sees, at the registered context, QK-MAP minus "
+                                          "QK-Norm"),
     "control.retrieval_learned": ("control", "control", "positive control: Standard attention learns the retrieval "
                                   "task",
                                   "probe: retrieval accuracy of `none` at its tuned rate, mean over seeds, at the "
@@ -150,7 +155,7 @@ OWN_PAPERS = {SCALE_FAMILY}  # claims a claims table lists only where a study re
 CLAIM_DEFAULTS = {"quack.competitive_qknorm": {"margin": 0.05}, "quack.vs_multiplier": {"pairing": "same-tau"}}
 TABLE_KEYS = {"alpha", "test", "delta", "stable", "rate"}  # [claims] scalars: defaults for the claims below
 # claims a claims table lists only where a study registers them (studies/evidence_mqar.toml)
-OWN_CLAIMS = {"qkmap.evidence_vs_qknorm", "control.retrieval_learned"}
+OWN_CLAIMS = {"qkmap.evidence_contrast", "qkmap.evidence_contrast_vs_qknorm", "control.retrieval_learned"}
 
 
 def defaults(cid: str) -> dict[str, Any]:

@@ -20,7 +20,8 @@ from tqdm import tqdm
 
 from qklab.atomic import atomic_write_text
 from qklab.config import RunConfig, comparable
-from qklab.data import PreparedData, TokenLoader, prepare_data
+from qklab.data import PreparedData, prepare_data
+from qklab.data.mqar import IGNORE, MQARData
 from qklab.data.retrieval import train_loader
 from qklab.diagnostics.monitor import AttentionMonitor
 from qklab.diagnostics.stability import NonFiniteError, SpikeDetector
@@ -132,10 +133,10 @@ class Trainer:
         self.loader = self.parallel.loader(train_loader(self.data, t.batch_size * world, t.seq_len, data_seed,
                                                         cfg.data.retrieval))
         # val_loss: the selection part of the held-out text; report_loss (final step only): the report part
-        self.val_batches = TokenLoader.eval_batches(self.data.select_tokens(), t.batch_size, t.seq_len,
-                                                    t.eval_batches, name="selection (held-out)")
-        self.report_batches = TokenLoader.eval_batches(self.data.report_tokens(), t.batch_size, t.seq_len,
-                                                       t.eval_batches, name="report (held-out)")
+        self.val_batches = self.data.eval_batches("selection", t.batch_size, t.seq_len, t.eval_batches)
+        self.report_batches = self.data.eval_batches("report", t.batch_size, t.seq_len, t.eval_batches)
+        if isinstance(self.data, MQARData):  # the loss is on the queried values only
+            self.model.ignore_index = IGNORE
         if self.device.type == "cuda":  # FlexAttention's causal mask, made before anything is compiled
             causal_block_mask(t.seq_len, self.device)
         self.monitor = (AttentionMonitor.from_tokens(self.data.val_tokens(), t.diag_batch, t.seq_len)
