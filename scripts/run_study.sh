@@ -8,6 +8,7 @@
 # amend`), it runs nothing and names the commit to continue from, given once as above.
 # Needs this checkout's .venv (make setup); the clone imports its own src/ through PYTHONPATH.
 # QKLAB_WORKERS: cells at a time (default 2; a study continued with another count trains the same cells).
+# QKLAB_THREADS: CPU threads per cell (default: the cores / workers; set it when studies share the machine).
 set -euo pipefail
 study=${1:?usage: scripts/run_study.sh STUDY [COMMIT]}
 root=$(git rev-parse --show-toplevel)
@@ -47,7 +48,8 @@ fi
 [ "$(git -C "$clone" rev-parse HEAD)" = "$commit" ] || { echo "error: $clone is not at $commit" >&2; exit 2; }
 echo "study $study from commit ${commit:0:12} in $clone; results in $results"
 (cd "$clone" && env -u QKLAB_ALLOW_DIRTY PYTHONPATH="$clone/src" "$py" -m qklab study run "studies/$study.toml" \
-   --workers "${QKLAB_WORKERS:-2}" --results "$results" --out "$runs/$study") &
+   --workers "${QKLAB_WORKERS:-2}" ${QKLAB_THREADS:+--threads "$QKLAB_THREADS"} --results "$results" \
+   --out "$runs/$study") &
 run=$!
 mkdir -p "$results"
 interval=${QKLAB_COMMIT_INTERVAL:-120}
