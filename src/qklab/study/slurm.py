@@ -35,6 +35,7 @@ from qklab.study.spec import Cell, Study
 from qklab.study.task import Manifest, cell_ids, write_manifest
 from qklab.study.workers import Outcome
 
+ARRAY_MAX = 1000  # tasks per array: a larger study is submitted as several arrays
 LIVE_STATES = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
                "RESIZING", "SUSPENDED", "STAGE_OUT", "SIGNALING")
 
@@ -165,8 +166,8 @@ def submit_study(study: Study, out: Path, results: Path, opts: SlurmOptions, thr
         runnable = prepare_cells(study, todo, out, results, sub.outcome, rec, log)
         groups = [[c for c in runnable if (c.cfg.train.parallel == "none") == plain] for plain in (True, False)]
         for cells, parallel in zip(groups, (False, True), strict=True):
-            if cells:
-                _submit_array(study, out, results, opts, cells, parallel, threads, rec, sub, log)
+            for i in range(0, len(cells), ARRAY_MAX):  # Slurm's MaxArraySize: 1001 by default
+                _submit_array(study, out, results, opts, cells[i:i + ARRAY_MAX], parallel, threads, rec, sub, log)
     return sub
 
 
@@ -225,11 +226,12 @@ def cancel_study(study: Study, out: Path) -> dict[str, LiveTask]:
     return live
 
 
-def follow(study: Study, out: Path, results: Path, log=print, poll_s: float = 5.0) -> None:
-    """Until the study has no queued or running task: a line whenever the counts change."""
+def follow(study: Study, out: Path, results: Path, log=print, poll_s: float = 1.0, most_s: float = 30.0) -> None:
+    """Until the study has no queued or running task: a line whenever the counts change. squeue is asked
+    every ``poll_s`` seconds at first, less often (up to ``most_s``) while nothing changes."""
     from qklab.study.runner import cell_status
 
-    last = None
+    last, wait = None, poll_s
     while True:
         live = live_tasks(study, out)
         done = sum(cell_status(c, results)[0] == "done" for c in study.cells)
@@ -240,7 +242,8 @@ def follow(study: Study, out: Path, results: Path, log=print, poll_s: float = 5.
         if now != last:
             log(f"  {time.strftime('%H:%M:%S')} {study.name}: {done}/{len(study.cells)} done, {failed} failed, "
                 f"{running} running, {len(live) - running} queued")
-            last = now
+            last, wait = now, poll_s
         if not live:
             return
-        time.sleep(poll_s)
+        time.sleep(wait)
+        wait = min(wait * 1.5, most_s)
