@@ -19,7 +19,8 @@ from tests.study.synthetic import probe, result
 VARIANTS = {"none": {}, "qknorm": {}, "qkmap": {}, "quack": {}, "mla-none": {}, "mla-quack": {}, "mla-qkclip": {}}
 # every claim registered at the catalogue's parameters, stability by the entropy rule (a planted study's plan)
 PLAN = {"claims": {cid: {**defaults(cid), **({"stable": "entropy"} if "stable" in defaults(cid) else {})}
-                   for cid in CATALOGUE if CATALOGUE[cid][0] not in OWN_PAPERS}}  # the papers' claims
+                   for cid in CATALOGUE if CATALOGUE[cid][0] not in OWN_PAPERS  # the papers' claims, and no
+                   and CATALOGUE[cid][1] != "control"}}  # positive control (it gates the rest: test_controls.py)
 
 
 def _write(tmp_path):

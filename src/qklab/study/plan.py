@@ -65,6 +65,11 @@ CHOICES = {"test": {"loss": [SIGN_FLIP], "probe": [SIGN_FLIP], "logits": [SIGN_F
 
 # id -> (paper, kind, claim, measurement); the report (report/claims.py) measures each id
 CATALOGUE: dict[str, tuple[str, str, str, str]] = {
+    # first: a positive control is read before the claims it gates (report/controls.py)
+    "control.retrieval_learned": ("control", "control", "positive control: Standard attention learns the retrieval "
+                                  "task",
+                                  "probe: retrieval accuracy of `none` at its tuned rate, mean over seeds, at the "
+                                  "registered context (default: the training length), against the threshold"),
     "qkmap.val_vs_none": ("QK-MAP", "loss", "lower validation loss than Standard attention",
                           "report-split loss, paired over seeds"),
     "qkmap.val_vs_qknorm": ("QK-MAP", "loss", "lower validation loss than QK-Norm",
@@ -93,10 +98,6 @@ CATALOGUE: dict[str, tuple[str, str, str, str]] = {
                                           "probe: log-contrast of the queried value's position against every other "
                                           "position the query sees, at the registered context, QK-MAP minus "
                                           "QK-Norm"),
-    "control.retrieval_learned": ("control", "control", "positive control: Standard attention learns the retrieval "
-                                  "task",
-                                  "probe: retrieval accuracy of `none` at its tuned rate, mean over seeds, at the "
-                                  "registered context (default: the training length), against the threshold"),
     "quack.stable_mha": ("QuacK", "stable", "allows a higher base learning rate than no intervention (MHA)",
                          "highest rate of the grid that holds, by the registered stability rule"),
     "quack.stable_mla": ("QuacK", "stable", "allows a higher base learning rate than no intervention (MLA)",
