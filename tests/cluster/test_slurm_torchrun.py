@@ -15,7 +15,8 @@ from tests.parallel.common import CURVE_RTOL
 
 
 def test_a_two_process_cell_runs_under_torchrun_in_one_task(slurm, tmp_path):
-    path = study_file(tmp_path, "ddp", 20, {"d": {"train.parallel": "ddp", "train.device": "cpu"}})
+    path = study_file(tmp_path, "ddp", 40, {"d": {"train.parallel": "ddp", "train.device": "cpu",
+                                                         "train.batch_size": 4}})  # per process
     out = tmp_path / "o"
     p = qklab("study", "run", path, "--out", out, "--executor", "slurm", "--slurm", "cpus=2", "--slurm",
               "nproc_per_node=2", "--wait", timeout=300)
@@ -29,9 +30,9 @@ def test_a_two_process_cell_runs_under_torchrun_in_one_task(slurm, tmp_path):
     manifest = json.loads(next((out / "slurm").glob("*.json")).read_text())
     assert manifest["threads"] == 1  # the task's CPUs shared between its processes
 
-    # one process at the same global batch: the same run (parallel is resumable, not in the cell's numbers)
-    one = load_study(study_file(tmp_path / "one", "one", 20, {"d": {"train.device": "cpu"}}))
+    # one process at the same global batch (8, the tiny preset's)
+    one = load_study(study_file(tmp_path / "one", "one", 40, {"d": {"train.device": "cpu", "train.batch_size": 8}}))
     run_study(one, tmp_path / "one" / "o", workers=0, threads=1, log=lambda s: None)
     ref = result(tmp_path / "one" / "o" / "results", "d_lr1_s0")
-    assert two["curves"]["train"]["step"] == ref["curves"]["train"]["step"]
+    assert ref["status"] == "ok" and two["curves"]["train"]["step"] == ref["curves"]["train"]["step"]
     assert two["curves"]["train"]["loss"] == pytest.approx(ref["curves"]["train"]["loss"], rel=CURVE_RTOL)
