@@ -1,6 +1,6 @@
 """A cell stopped by Slurm resumes from its own checkpoint and ends bit for bit where an uninterrupted run
 ends (same machine): after ``scancel`` and the next ``study run``, after ``scontrol requeue`` (a
-preemption), and at a time limit (the task's warning signal, a checkpoint, the task requeueing itself).
+preemption), and at the warning a time limit brings (a checkpoint, the task requeueing itself).
 Slurm holds a requeued task for about two minutes before it may start again; the tests release it at once
 (``scontrol update StartTime=now``), as an operator may."""
 
@@ -68,15 +68,23 @@ def test_scancel_then_run_again_and_a_requeue_resume_to_the_same_numbers(slurm, 
     same_numbers(result(out / "results", CELL), reference)
 
 
-def test_a_time_limit_checkpoints_requeues_and_resumes_to_the_same_numbers(slurm, tmp_path, reference):
-    """One minute per task, warned 59 s ahead (Slurm sends the warning at its next check, within 30 s):
-    each attempt trains a while, checkpoints and requeues itself until the cell is done."""
+def test_the_time_limit_warning_checkpoints_requeues_and_resumes_to_the_same_numbers(slurm, tmp_path, reference):
+    """The warning a time limit brings (``--signal=B:USR1@N``, sent to the batch shell): the cell checkpoints,
+    the task requeues itself, and the next attempt resumes to the same numbers. Slurm sends the warning at its
+    next periodic check (every 30 s), later than a tiny cell may take on a fast machine, so the test sends the
+    same signal to the same shell itself (``scancel --batch --signal=USR1``) once the cell has a checkpoint."""
     path = study_file(tmp_path, "pre", STEPS, {"a": {"qk.method": "none"}}, every=100, ckpt_every=20)
     out = tmp_path / "o"
-    p = qklab("study", "run", path, "--out", out, "--executor", "slurm", "--slurm", "time=1", "--slurm",
+    p = qklab("study", "run", path, "--out", out, "--executor", "slurm", "--slurm", "time=10", "--slurm",
               "signal_before=59")
     assert p.returncode == 0, p.stdout + p.stderr
-    wait_for(lambda: (_release_requeued(slurm), not squeue(slurm))[1], 400, "the cell to end", every=1.0)
+    (script,) = (out / "slurm").glob("*.sh")
+    lines = script.read_text().splitlines()
+    assert "#SBATCH --signal=B:USR1@59" in lines and "#SBATCH --time=10" in lines and "#SBATCH --requeue" in lines
+    task = _running_past(slurm, out, [])
+    slurm.run("scancel", "--batch", "--signal=USR1", task)
+    done = lambda: result(out / "results", CELL) is not None and not squeue(slurm)  # noqa: E731
+    wait_for(lambda: (_release_requeued(slurm), done())[1], 300, "the cell's result", every=1.0)
     slurm_log = next((out / "slurm" / "logs").glob("*.log")).read_text()
     assert "requeueing this task" in slurm_log, slurm_log
     log = (out / "logs" / f"{CELL}.log").read_text()
