@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import struct
+import time
 
 import pytest
 import torch
@@ -294,6 +295,15 @@ def _wandb_records(path):
             parts = []
 
 
+def wait_for_file(cond, timeout: float = 60.0):
+    """``cond()`` once it is truthy: a file another process is still closing (at most ``timeout`` seconds)."""
+    end = time.monotonic() + timeout
+    while not (got := cond()):
+        assert time.monotonic() < end, "W&B's run file did not end with its exit record"
+        time.sleep(0.2)
+    return got
+
+
 def test_wandb_offline_history_holds_the_qk_scalars(tmp_path, monkeypatch):
     """report_to=["wandb"] in offline mode: the run's history records (read from its .wandb file) hold every
     qk scalar of every step, with the callback's values."""
@@ -306,13 +316,20 @@ def test_wandb_offline_history_holds_the_qk_scalars(tmp_path, monkeypatch):
     cb = QKCallback("quack", tau=0.5)
     _train(tiny_model("llama"), cb, tmp_path / "out", report_to=["wandb"])
     wandb.finish()
+    wandb.teardown()  # stops W&B's service process: the run file is complete only once it has closed it
     (path,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "*.wandb"))
-    history = []
-    for data in _wandb_records(path):
-        rec = wandb_internal_pb2.Record()
-        rec.ParseFromString(data)
-        if rec.WhichOneof("record_type") == "history":
-            history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+
+    def records():
+        out = []
+        for data in _wandb_records(path):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(data)
+            out.append(rec)
+        return out
+
+    recs = wait_for_file(lambda: (r := records()) and r[-1].WhichOneof("record_type") == "exit" and r)
+    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+               for r in recs if r.WhichOneof("record_type") == "history"]
     by_step = {int(r["train/global_step"]): r for r in history if "train/qk/max_logit" in r}
     assert sorted(by_step) == [r["step"] for r in cb.history] == list(range(1, STEPS + 1))
     for rec in cb.history:
