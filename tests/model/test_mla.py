@@ -84,7 +84,11 @@ def test_absorbed_equals_materialised_at_every_position(method, q_rank):
 @pytest.mark.parametrize("kind", ["auto", "absorbed", "materialised", "per-head"])
 @pytest.mark.parametrize("method", LATENT_METHODS)
 def test_cached_decoding_equals_full_forward(method, kind):
-    model = mla_gpt(method)
+    assert_decoding_equals_full_forward(mla_gpt(method), kind)
+
+
+def assert_decoding_equals_full_forward(model: GPT, kind: str) -> None:
+    """Decoding through the ``kind`` of cache (a latent path, or per-head caches) equals the full forward."""
     x = torch.randint(0, 97, (2, 26))
     with torch.no_grad():
         full, _ = model(x)
