@@ -187,7 +187,7 @@ def test_generate_equals_greedy_full_forwards(family, method, opts):
 def test_apply_refuses_bad_input():
     """Every refusal is the CLI's one-line ConfigError; a controller's name says which call takes it."""
     model = tiny_model("llama")
-    with pytest.raises(ConfigError, match="unknown QK method 'qknrom'; choose one of none, qkmap,") as e:
+    with pytest.raises(ConfigError, match="unknown QK method 'qknrom'; choose one of none, qkguard, qkmap,") as e:
         apply(model, "qknrom")
     assert "controller" not in str(e.value)
     with pytest.raises(ConfigError) as e:

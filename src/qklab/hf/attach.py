@@ -40,7 +40,8 @@ class Attached:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, controller: str, layers: list[QKLayer],
                  opts: Any, hooks: bool, track: bool, switch: AttnSwitch | None = None) -> None:
         self.model, self.optimizer, self.qk_layers, self.switch = model, optimizer, layers, switch
-        self.needs_logits = controller == "qkclip"  # QK-clip reads every step's max logits
+        # QK-clip reads every step's max logits, and so does a method that watches its own (QK-Guard)
+        self.needs_logits = controller == "qkclip" or any(layer.qk.watches_logits for layer in layers)
         self.step, self.removed, self._hooks = 0, False, []
         self._window: list[torch.Tensor | None] = [None] * len(layers)  # per layer (H,), on the device
         try:
@@ -107,8 +108,10 @@ class Attached:
         self.controller.after_step(self.step)
         if before is not None:
             self._scale_biases(before)
-        if self.tracking and not self.needs_logits:
-            for layer in self.qk_layers:
+        for layer in self.qk_layers:
+            if layer.qk.watches_logits:  # QK-Guard: this step's maxima decide its switch
+                layer.qk.step_end(layer.pop_max_logit(), self.step)
+            elif self.tracking and self.controller.name != "qkclip":  # QK-clip popped its own
                 layer.pop_max_logit()
         self.step += 1
 
@@ -150,6 +153,10 @@ class Attached:
         """The controller's figures, and what was measured since the last call: ``max_logit_per_head`` (per
         layer, per head) and ``max_logit`` (their max); no max-logit key when nothing was."""
         out = dict(self.controller.metrics())
+        for layer in self.qk_layers:  # a watching method's own figures (QK-Guard: when each head switched)
+            if layer.qk.watches_logits:
+                for key, value in layer.qk.step_metrics().items():
+                    out.setdefault(key, []).append(value)
         heads = self.max_logits()
         if heads:
             out["max_logit_per_head"] = heads

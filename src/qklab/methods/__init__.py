@@ -6,6 +6,7 @@ from qklab.methods.base import AttnShape, QKController, QKMethod
 from qklab.methods.compositional import Compositional
 from qklab.methods.qk_lr_multiplier import QKLRMultiplier
 from qklab.methods.qkclip import QKClip
+from qklab.methods.qkguard import QKGuard
 from qklab.methods.qkmap import QKMap
 from qklab.methods.qknorm import QKNorm
 from qklab.methods.quack import QuacK
@@ -23,6 +24,7 @@ METHODS: dict[str, type[QKMethod]] = {
     "qkmap": QKMap,
     "quest": Quest,
     "ssmax": SSMax,
+    "qkguard": QKGuard,
 }
 
 # optimizer-side: name -> QKController subclass

@@ -18,7 +18,8 @@ Adding a method means one new file with a subclass (and its ``Options`` dataclas
 line in ``qklab.methods``. The subclass overrides what it changes, and nothing else: the widths
 (``proj_dim``, ``qk_in_dim``, ``feature_dim``, ``qk_init_std``), the maps (``map_input``, ``map_qk``, and
 ``latent_map`` for MLA's latent cache), ``scale``, ``logits`` (with ``modifies_logits``) and ``raw_logit``,
-QK-clip's ``clip_refusal`` and ``clip_logits``, ``after_rope_refusal``, and its parameters'
+QK-clip's ``clip_refusal`` and ``clip_logits``, ``after_rope_refusal``, a watch on its own logits
+(``watches_logits``, ``step_end``, ``step_metrics``: QK-Guard), and its parameters'
 ``reset_parameters`` and ``param_group``. Every user of a method (qklab's ``Attention`` and MLA,
 ``qklab.QK`` in any PyTorch attention, ``qklab.hf``, ``qklab.integrations``) calls these alone.
 """
@@ -105,6 +106,7 @@ class QKMethod(nn.Module):
     latent_key_group = 1  # heads sharing one cached key scalar (s is equal within each group of heads)
     latent_key_parts = False  # True: s has two values per key, one on the nope and one on the rope part
     keeps_model_qk_norm = False  # qklab.hf: True keeps a model's own q/k norms (Qwen3) in front of the method
+    watches_logits = False  # True: the training loop tracks the layer's per-head max logit and calls step_end
 
     def __init__(self, shape: AttnShape, opts: Any) -> None:
         super().__init__()
@@ -184,6 +186,16 @@ class QKMethod(nn.Module):
     def stats(self) -> dict[str, list[float]]:
         """Per-head stability statistics of the last forward run with ``self.record = True`` (QK-MAP:
         phase scale, phase spread, aliasing, pre-map norms); {} for methods without any."""
+        return {}
+
+    def step_end(self, max_logit: torch.Tensor, step: int) -> None:
+        """With ``watches_logits``: called by the training loop after optimizer step ``step`` (0-based) with the
+        layer's per-head largest logit over the step's training forwards, (H,) (reduced over data-parallel
+        ranks; -inf: none seen). A method may change how it forms the logits from the next forward on."""
+
+    def step_metrics(self) -> dict[str, Any]:
+        """With ``watches_logits``: this layer's values for metrics.jsonl at the logging cadence (the loop
+        gathers each key into a list over layers)."""
         return {}
 
     def param_group(self) -> tuple[str, float] | None:

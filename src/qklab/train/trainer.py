@@ -128,6 +128,9 @@ class Trainer:
         self.checkpointer = Checkpointer(self.ckpt_dir, self.parallel, self.optimizers, t.ckpt_format, t.keep_ckpts)
         self.controller = CONTROLLERS[cfg.qk.controller](self.model, self.optimizers, cfg.qk.opts(cfg.qk.controller))
         self.controller.reduce = self.dist.reduce if self.dist.active else None  # e.g. QK-clip's max over ranks
+        self.watched = [a for a in self.model.attention_layers() if a.qk.watches_logits]  # QK-Guard's layers
+        for a in self.watched:
+            a.track_max_logit = True
         data_seed = t.seed if t.data_seed < 0 else t.data_seed  # a study fixes it: same tokens in every cell
         world = self.dist.world  # every rank draws the global micro-batch and keeps its own rows
         self.loader = self.parallel.loader(train_loader(self.data, t.batch_size * world, t.seq_len, data_seed,
@@ -277,15 +280,38 @@ class Trainer:
             for opt in self.optimizers:
                 opt.step()
             self.controller.after_step(self.step)
+            self._watch_step()
         else:
             self._nonfinite(loss, gn, self.step + 1)  # logs it; the step is not applied
             self.controller.skip_step(self.step)
+            for a in self.watched:  # a dropped step's logits decide nothing
+                a.pop_max_logit()
             self.skipped += 1
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self.step += 1
         self._pending.append((self.step, mean, gnorm))
         return mean, gnorm
+
+    def _watch_step(self) -> None:
+        """Methods that watch their logits (QK-Guard) get each layer's per-head max logit of the step just
+        taken, the same on every rank (MAX over the data-parallel ranks, all layers in one reduction)."""
+        if not self.watched:
+            return
+        maxima = [a.pop_max_logit() for a in self.watched]  # per layer (H,)
+        packed = torch.cat([m.to(self.device) for m in maxima])
+        if self.dist.active:
+            packed = self.dist.reduce(packed, "max")
+        for a, m in zip(self.watched, packed.split([len(m) for m in maxima]), strict=True):
+            a.qk.step_end(m, self.step)
+
+    def _watch_metrics(self) -> dict[str, Any]:
+        """The watching methods' values for metrics.jsonl, each key a list over their layers."""
+        out: dict[str, list[Any]] = {}
+        for a in self.watched:
+            for key, value in a.qk.step_metrics().items():
+                out.setdefault(key, []).append(value)
+        return out
 
     def flush(self) -> list[tuple[int, float, float]]:
         """Read the (step, loss, grad norm) of every step since the last flush in one host sync, end the
@@ -363,7 +389,8 @@ class Trainer:
                         self._echo(f"step {self.step}/{t.steps}: loss {loss:.3f}, {tps:,.0f} tokens/s")
                 if at_log:
                     rec.update(loss=loss, grad_norm=gnorm, lr=self.optimizers[0].param_groups[0]["lr"],
-                               tokens_per_s=tps, tokens=self.step * tokens_per_step, **self.controller.metrics())
+                               tokens_per_s=tps, tokens=self.step * tokens_per_step, **self.controller.metrics(),
+                               **self._watch_metrics())
                 if at_eval:
                     last = self.evaluate()
                     rec.update(last)
