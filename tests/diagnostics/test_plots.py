@@ -21,14 +21,18 @@ def test_heatmap_writes_every_value_on_the_given_scale():
     assert ax.images[0].get_clim() == (0.0, 0.35)
     cbar_lines = [ln.get_ydata()[0] for ln in fig.axes[1].lines]
     assert sorted(cbar_lines) == [0.0235, 0.3]  # uniform baseline and the sink threshold on the colour bar
+    assert ax.get_title() == "first_token (dotted: uniform, dashed: sink 0.3)"  # named in the title, not by the ticks
+    assert not fig.axes[1].texts
     plt.close(fig)
 
 
 def test_shared_range_covers_all_runs_and_keeps_first_token_absolute():
     a, b = np.array([[1.0, 2.0]]), np.array([[5.0, np.nan]])
     assert plots.shared_range([a, b], "max_logit") == (1.0, 5.0)
-    assert plots.shared_range([np.array([[0.012, 0.015]])], "first_token") == (0.0, 0.35)  # 0.003 apart: no zoom
-    assert plots.shared_range([np.array([[0.2, 0.9]])], "first_token") == (0.0, 0.9)
+    # from 0 (0.003 apart: no zoom onto the difference), to twice the largest (cells still differ in colour)
+    assert plots.shared_range([np.array([[0.012, 0.015]])], "first_token") == (0.0, 0.05)
+    assert plots.shared_range([np.array([[0.012, 0.045]])], "first_token") == (0.0, 0.09)
+    assert plots.shared_range([np.array([[0.2, 0.9]])], "first_token") == (0.0, 1.0)
 
 
 def test_length_axis_uses_the_real_lengths_and_marks_t():

@@ -75,7 +75,10 @@ def test_html_is_the_markdown_rendered(report):
     # every Markdown table and heading became HTML, in the same order; no Markdown is left in the text
     assert tags.count("table") == md.count("\n|---|") and tags.count("table") == 8  # 8: the stable-rates table
     assert [ln[3:] for ln in md.splitlines() if ln.startswith("## ")] == re.findall(r"<h2>(.*?)</h2>", page)
-    assert re.findall(r"<h2>(.*?)</h2>", page)[:2] == ["Answers", "Claims"]
+    h2 = re.findall(r"<h2>(.*?)</h2>", page)
+    assert h2[:2] == ["What these results say", "Results (report split)"]  # the answer first
+    assert h2[-3:] == ['<a id="claims"></a>Claims', '<a id="verdict-rule"></a>The verdict rule',
+                       "Cells behind the numbers"]  # the claims and how to read them last
     for bad in ("`", "**", "](", "\\["):
         assert bad not in text, bad
     assert not [ln for ln in text.splitlines() if ln.lstrip().startswith(("#", "|"))]
@@ -151,8 +154,9 @@ def planted(tmp_path, monkeypatch):
 
 def test_answers_open_the_report_with_the_registered_questions(planted):
     out, md, _ = planted
-    answers = md.split("## Answers\n", 1)[1].split("\n## ", 1)[0]
-    assert md.index("## Answers") < md.index("## Claims") < md.index("## Results")
+    answers = md.split("### Registered questions\n", 1)[1].split("\n## ", 1)[0]
+    assert md.index("## What these results say") < md.index("### Registered questions") < md.index("## Results")
+    assert md.index("## Results") < md.index("Claims\n") < md.index("The verdict rule\n")
     items = [ln for ln in answers.splitlines() if ln.startswith("- ")]
     assert len(items) == 2  # the confirmatory ones only
     first, second = items
@@ -168,11 +172,13 @@ def test_answers_open_the_report_with_the_registered_questions(planted):
 
 def test_claims_table_verdicts_and_links(planted):
     out, md, cells = planted
-    head, rows = table(md, "Claims")
+    head, rows = table(md, "<a id=\"claims\"></a>Claims")
     got = {r[1]: dict(zip(head, r, strict=True)) for r in rows}
     assert got["outperforms no intervention in the MLA setting"]["verdict"] == "exploratory"
-    assert got["trains faster than QK-Norm"]["verdict"] == "**not measurable**"  # a row without the new fields
-    assert got["trains faster than QK-Norm"]["n"] == "-"
+    # a row without a number (and without the new fields) is not in the table: one line under it names it
+    assert "trains faster than QK-Norm" not in got
+    claims = md.split('<a id="claims"></a>Claims\n', 1)[1].split("\n## ", 1)[0]
+    assert "Without a number in these results (1), not measurable (1): QuacK: trains faster than QK-Norm." in claims
     amended = got["lower validation loss than Standard attention"]
     assert amended["verdict"] == "**agree**"
     assert amended["reason"] == ("Holm p = 0.01 < 0.05 (amended plan); under the registered plan: inconclusive "

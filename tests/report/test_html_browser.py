@@ -22,7 +22,11 @@ PROBE = """<script>window.addEventListener("load", () => {
   const out = {imgs: [...document.images].map(i => i.complete && i.naturalWidth > 0),
                links: [...document.querySelectorAll("a[href]")].map(a => a.href),
                ids: [...document.querySelectorAll("[id]")].map(e => e.id),
-               tables: document.querySelectorAll("table").length, text: document.body.innerText};
+               tables: document.querySelectorAll("table").length, text: document.body.innerText,
+               // what the first screen (the window, 1280 x 800) shows: headings and tables that start in it
+               first: [...document.querySelectorAll("h2, h3, table, li")]
+                        .filter(e => e.getBoundingClientRect().top < window.innerHeight)
+                        .map(e => e.tagName + ":" + e.textContent.slice(0, 80))};
   const pre = document.createElement("pre");
   pre.id = "qklab-probe";
   pre.textContent = JSON.stringify(out);
@@ -36,7 +40,7 @@ def rendered(page: Path) -> dict:
     probe.write_text(page.read_text().replace("</body>", PROBE + "</body>"))
     try:
         dom = subprocess.run([str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                              "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
+                              "--window-size=1280,800", "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
                              capture_output=True, text=True, timeout=120, check=True).stdout
     finally:
         probe.unlink()
@@ -73,7 +77,42 @@ def test_report_html_in_a_browser(tmp_path):
     files = [h for h in got["links"] if h.endswith("/result.json")]
     assert len(files) > 30 and all(Path(unquote(urlparse(h).path)).parent.parent == tmp_path / "results"
                                    for h in files)
-    assert "Answers" in got["text"] and "underpowered" in got["text"]
+    assert "What these results say" in got["text"] and "underpowered" in got["text"]
+    first_screen_answers(got)
+
+
+def first_screen_answers(got: dict) -> None:
+    """The first screen (1280 x 800) shows the answer: the "What these results say" heading and at least one
+    of its lines (a variant's chosen rate and report loss)."""
+    first = got["first"]
+    assert "H2:What these results say" in first, first
+    assert any(e.startswith("LI:") and "report loss" in e for e in first), first
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium: `make browser` installs it (apt)")
+@pytest.mark.parametrize("study", ["demo", "qkmap_english"])
+def test_committed_reports_answer_on_the_first_screen(study):
+    """The committed demo report and the pre-registered English one: the answer on the first screen, every
+    figure loads, and no figure is drawn that has nothing to show."""
+    from qklab.report.figures import nothing_to_show
+    from qklab.report.html import page
+
+    report = Path(__file__).parents[2] / "docs" / "results" / study / "report"
+    md = (report / "report.md").read_text()
+    html_file = report / "report.html"
+    made = not html_file.exists()  # only the demo keeps its HTML copy: render the others beside their Markdown
+    if made:
+        images = {p.name: p for p in report.glob("*.png")}
+        html_file.write_text(page(md, study, images))
+    try:
+        got = check(html_file)
+    finally:
+        if made:
+            html_file.unlink()
+    first_screen_answers(got)
+    drawn = {p.stem for p in report.glob("*.png")} & set(re.findall(r"!\[(\w+)\]", md))
+    empty = nothing_to_show(json.loads((report / "report.json").read_text())["figures"])
+    assert drawn and not drawn & set(empty), (drawn, empty)
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium: `make browser` installs it (apt)")

@@ -129,7 +129,7 @@ def test_report_data_and_claims(tmp_path):
     imgs = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
     assert len(imgs) == 7 and all(base64.b64decode(i)[:8] == b"\x89PNG\r\n\x1a\n" for i in imgs)
     assert "http://" not in page and "https://" not in page
-    assert "## Claims" in (out / "report.md").read_text()
+    assert '## <a id="claims"></a>Claims' in (out / "report.md").read_text()
 
 
 def test_report_disagree_and_inconclusive(tmp_path):

@@ -56,21 +56,24 @@ def heatmap(ax, fig, a: np.ndarray, key: str, vmin: float, vmax: float, baseline
         ax.text(j, i, _fmt(v), ha="center", va="center", fontsize=small, color="black" if v > mid else "white")
     cb = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     cb.ax.tick_params(labelsize=7)
-    if key == "first_token":
-        for level, style, lab in ((baseline, ":", "uniform"), (SINK_THRESHOLD, "--", "sink 0.3")):
+    if key == "first_token":  # the reference levels on the colour bar, named in the title (no label on the ticks)
+        shown = []
+        for level, style, lab in ((baseline, ":", "dotted: uniform"), (SINK_THRESHOLD, "--", "dashed: sink 0.3")):
             if level is not None and vmin <= level <= vmax:
                 cb.ax.axhline(level, color="red", ls=style, lw=1.2)
-                cb.ax.text(1.6, level, lab, transform=cb.ax.get_yaxis_transform(), fontsize=6, color="red",
-                           va="center")
+                shown.append(lab)
+        if shown:
+            ax.set_title(f"{key} ({', '.join(shown)})", fontsize=9)
 
 
 def shared_range(arrays: list[np.ndarray], key: str) -> tuple[float, float]:
     """One colour scale for a measurement over several panels: [min, max] of all finite values; first-token
-    attention always on [0, max(0.35, max)] so that 0.01 differences do not look large."""
+    attention on [0, 2 max] (at least [0, 0.05]), so that 0.01 differences do not look large and cells still
+    differ in colour; the 0.3 sink threshold shows on the bar only when a value comes near it."""
     vals = np.concatenate([a[np.isfinite(a)].ravel() for a in arrays] or [np.zeros(1)])
     lo, hi = (float(vals.min()), float(vals.max())) if vals.size else (0.0, 1.0)
     if key == "first_token":
-        return 0.0, max(0.35, hi)
+        return 0.0, min(1.0, max(0.05, 2 * hi))
     if key == "entropy":
         lo = 0.0
     return (lo, hi) if hi > lo else (lo - 0.5, hi + 0.5)

@@ -257,18 +257,24 @@ def _first_token(ax, att, series, colour) -> None:
     means = [series[k]["mean"] for k in labels]
     errs = [0.0 if not math.isfinite(series[k]["std"]) else series[k]["std"] for k in labels]
     bars = ax.bar(range(len(labels)), means, yerr=errs, capsize=3, color=[colour[k] for k in labels])
-    for b, m, k in zip(bars, means, labels, strict=True):
+    for b, m, e, k in zip(bars, means, errs, labels, strict=True):
         b.set_gid(k)
-        if math.isfinite(m):
-            ax.text(b.get_x() + b.get_width() / 2, m, f"{m:.3f}", ha="center", va="bottom", fontsize=7)
+        if math.isfinite(m):  # above its error bar, so that it never sits on the bar's own whisker
+            ax.text(b.get_x() + b.get_width() / 2, m + e, f"{m:.3f}", ha="center", va="bottom", fontsize=7)
     uni = next((s["uniform"] for s in series.values() if math.isfinite(s["uniform"])), float("nan"))
     if math.isfinite(uni):
         ax.axhline(uni, color="k", ls="--", lw=1, label=f"uniform attention ({uni:.3f})")
-    ax.axhline(0.3, color="0.4", ls=":", lw=1, label="sink threshold 0.3")
+    # the axis fits the bars and the uniform line; the 0.3 sink threshold is drawn only when a bar comes near it
+    tops = [m + e for m, e in zip(means, errs, strict=True) if math.isfinite(m)]
+    top = 1.3 * max([*tops, uni if math.isfinite(uni) else 0.0, 1e-3])
+    if top >= 0.25:
+        ax.axhline(0.3, color="0.4", ls=":", lw=1, label="sink threshold 0.3")
+        top = max(top, 0.35)
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
-    ax.set_title(f"first-token attention at the end: {_panel_title(att)}")
-    ax.set_ylim(0, 1.1 * max([0.35, *(m for m in means if math.isfinite(m))]))
+    ax.set_title(f"first-token attention at the end: {_panel_title(att)}"
+                 + ("" if top >= 0.35 else " (every bar far below the 0.3 sink threshold)"), fontsize=9)
+    ax.set_ylim(0, top)
 
 
 def _probes(series: dict[str, dict], path: Path, colour: dict[str, str]) -> Path | None:
@@ -317,6 +323,32 @@ def _probes(series: dict[str, dict], path: Path, colour: dict[str, str]) -> Path
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+BY_RATE = ("lr_sensitivity", "logit_by_rate")
+CURVES = ("val_curves", "max_logit", "logit_change", "head_max_logit", "head_w_norms", "quack_factors")
+
+
+def _points(s: dict[str, list], x: str) -> int:
+    """How many points of a series have a finite x and a finite mean."""
+    return sum(1 for a, b in zip(s.get(x) or [], s.get("mean") or [], strict=False)
+               if a is not None and b is not None and math.isfinite(a) and math.isfinite(b))
+
+
+def nothing_to_show(data: dict[str, Any]) -> dict[str, str]:
+    """Figures with data but nothing to draw, and why: a value against the learning rate where no variant
+    has two rates, a curve over training where no series has two points (a run shorter than the
+    measurement's interval)."""
+    out = {}
+    for key in BY_RATE + CURVES:
+        series = [s for panel in (data.get(key) or {}).values() for s in panel.values()]
+        if not series:
+            continue
+        x = "lr" if key in BY_RATE else "step"
+        if max(_points(s, x) for s in series) < 2:
+            out[key] = ("each variant ran at one learning rate (a line needs two)" if key in BY_RATE else
+                        "no series has two measured steps (the runs were shorter than the measurement's interval)")
+    return out
 
 
 def draw(data: dict[str, Any], out: Path) -> dict[str, Path]:

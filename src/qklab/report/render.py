@@ -14,7 +14,7 @@ from qklab.errors import ReportError
 from qklab.report.beside import beside_table, corpus_label
 from qklab.report.beside import intro as beside_intro
 from qklab.report.claims import VERDICT_RULE, claims_table, registered_results
-from qklab.report.figures import colours, draw, figure_data, variant_name
+from qklab.report.figures import colours, draw, figure_data, nothing_to_show, variant_name
 from qklab.report.html import page
 from qklab.report.ladder import INTRO as LADDER_INTRO
 from qklab.report.ladder import ladder_table
@@ -102,13 +102,62 @@ def results_table(groups: list[dict]) -> Table:
             g["controller"] or "-", f"{g['chosen_lr']:.3g} (x{ch:g}{grid_edge(ch, sw)})" if ch is not None
             else "none eligible",
             str(st["report_loss"]["n"]), fmt_mean_std(sel) if sel else "-", fmt_mean_std(st["report_loss"]),
-            fmt_ci(st["report_loss"]["ci_lo"], st["report_loss"]["ci_hi"]),
+            abs_ci(st["report_loss"]["ci_lo"], st["report_loss"]["ci_hi"]),
             f"{d['mean']:+.3f} vs {g['reference']}" if d and d["n"] else "-",
             fmt_ci(d["ci_lo"], d["ci_hi"]) if d else "-", fmt_ci(d["boot_lo"], d["boot_hi"]) if d else "-",
-            f"{d['p']:.3g}" if d and math.isfinite(d["p"]) else "-",
+            _p(d),
             fmt_mean_std(st["max_logit"], 1), fmt_mean_std(st["first_token"]),
             f"{div}/{g['n_cells']}", f"{nl}/{g['n_cells']}", f"{len(g['failed'])}/{g['n_cells']}"])
     return head, rows
+
+
+FEW_SEEDS = 6  # below this many paired seeds no p-value is printed as if it could decide (sign-flip floor 2/2^n)
+
+
+def abs_ci(lo: float, hi: float, digits: int = 3) -> str:
+    """'[5.019, 5.757]': an interval of an absolute value (a loss), without the signs of a difference's."""
+    return f"[{lo:.{digits}f}, {hi:.{digits}f}]" if math.isfinite(lo) and math.isfinite(hi) else "-"
+
+
+def _p(d: dict | None) -> str:
+    """A paired difference's p-value, or why none is shown: with fewer than FEW_SEEDS seeds the exact
+    sign-flip test cannot go below 2/2^n (0.0625 at 5), so a t-test's small p would claim more than the
+    seeds can."""
+    if not d or not math.isfinite(d.get("p", math.nan)):
+        return "-"
+    if d["n"] < FEW_SEEDS:
+        return f"n={d['n']} too few (sign-flip floor {2 / 2 ** d['n']:.2g})"
+    return f"{d['p']:.3g}"
+
+
+def summary_lines(groups: list[dict], cells: Cells, limit: int = 12) -> list[str]:
+    """The opening block, per variant at its chosen rate: the report loss with its interval and its paired
+    difference to the reference; ordered by report loss, at most ``limit`` (the rest: the results table)."""
+    ranked = sorted(groups, key=lambda g: (g["chosen"] is None, g["stats"]["report_loss"]["mean"]
+                                           if g["stats"]["report_loss"]["n"] else math.inf))
+    lines = []
+    for g in ranked[:limit]:
+        name, st, ch = variant_name(g), g["stats"]["report_loss"], g["chosen"]
+        where = f" (`{g['study']}`)" if g.get("multi") else ""
+        if ch is None or not st["n"]:
+            lines.append(f"- **{_md_text(name)}**{where}: no rate eligible (every rate diverged, did not learn or "
+                         "failed)")
+            continue
+        at = cells.link(_paths(g, ch), f"{name} ({g['study']}) at its chosen rate x{ch:g}")
+        loss = f"report loss {st['mean']:.3f}, 95% CI {abs_ci(st['ci_lo'], st['ci_hi'])}, n={st['n']}"
+        line = (f"- **{_md_text(name)}**{where} at {g['chosen_lr']:.3g} (x{ch:g}{grid_edge(ch, g['sweep'])}): "
+                + (f"[{_md_text(loss)}]({at})" if at else _md_text(loss)))
+        d = g["paired"].get("report_loss")
+        if d and d["n"] and g.get("reference") != g["variant"]:
+            line += (f"; {d['mean']:+.3f} vs {_md_text(str(g['reference']))}, 95% CI "
+                     f"{_md_text(fmt_ci(d['ci_lo'], d['ci_hi']))}")
+        sw = g["sweep"].values()
+        total = {"diverged": sum(x["diverged"] for x in sw), "not_learned": sum(x.get("not_learned", 0) for x in sw)}
+        bad = ", ".join(f"{n} {what}" for what, n in unstable(total))
+        lines.append(line + (f" ({bad} over its rates)" if bad else ""))
+    if len(ranked) > limit:
+        lines.append(f"- ... and {len(ranked) - limit} more variants: the results table below")
+    return lines
 
 
 def unstable(s: dict) -> list[tuple[str, int]]:
@@ -295,6 +344,20 @@ def claims_rows(groups: list[dict], rows: list[dict] | None = None, studies: dic
     return head, body
 
 
+def has_numbers(r: dict) -> bool:
+    """Whether a claims row carries a measurement (the rest collapse to one line in the report)."""
+    return r["stats"] is not None or r["measured"] != "-"
+
+
+def collapsed_claims(rows: list[dict]) -> list[str]:
+    """One line for the claims without a number here, grouped by verdict (not measurable, exploratory)."""
+    by: dict[str, list[str]] = {}
+    for r in rows:
+        by.setdefault(_verdict(r).strip("*"), []).append(f"{r['paper']}: {r['claim']}")
+    return [f"Without a number in these results ({len(rows)}), {verdict} ({len(names)}): "
+            + "; ".join(_md_text(n) for n in names) + "." for verdict, names in by.items()]
+
+
 def claims_links(rows: list[dict], cells: Cells) -> Links:
     """Every number of a claim's row (what it measured, its statistics) from the claim's cells."""
     return [dict.fromkeys((3, *range(7, 17)), cells.link(r.get("cells") or [], f"{r['paper']}: {r['claim']}"))
@@ -417,6 +480,9 @@ def code_version_of(r: dict) -> str:
 
 def code_lines(results: list[dict]) -> list[str]:
     """Per study, the code versions that trained its cells, with a warning when there are several."""
+    if all(code_version_of(r) == "unknown" for r in results):
+        return ["", "Code version: unknown (the cells recorded no commit: qklab ran from an installed package, "
+                    "not a git checkout)."]
     by_study: dict[str, Counter] = {}
     for r in results:
         by_study.setdefault(r.get("study", ""), Counter())[code_version_of(r)] += 1
@@ -485,6 +551,10 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
     groups = analysis["groups"]
     data = figure_data(analysis)
     figs = draw(data, out)
+    empty = nothing_to_show(data)  # figures not drawn: one rate per variant, no curve of two points
+    for k in empty:  # not drawn: no PNG of it stays (a file from an earlier build included)
+        (out / f"{k}.png").unlink(missing_ok=True)
+    figs = {k: v for k, v in figs.items() if k not in empty}
     names = list(dict.fromkeys(g["study"] for g in groups))  # one grid table per study, in report order
     grids = {f"grid {n}": grid_table([g for g in groups if g["study"] == n]) for n in names}
     probes = probes_tables(groups)
@@ -519,7 +589,7 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
                 "max_logit": "Max attention logit on the held-out batch over training.",
                 "logit_change": "Mean absolute logit change per optimizer step between diagnostics.",
                 "first_token": "First-token attention at the last diagnostics step, with the uniform-attention "
-                               "baseline and the 0.3 sink threshold.",
+                               "baseline, and the 0.3 sink threshold where a bar comes near it.",
                 "probes": "Attention probes of the final checkpoints (qklab probe; mean over seeds, band: lowest to "
                           "highest seed): retrieval "
                           "evidence contrast and mass against context length, and magnitude sensitivity.",
@@ -531,9 +601,7 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
                                      "t-interval), one line per method; the legend gives each fit's slope per decade.",
                 "quack_factors": "QuacK's per-head learning-rate factors (W_Q and W_K of every layer) over "
                                  "training, same runs: median and band."}
-    sections = [("Claims", "claims"),
-                *([(f"Beside: the same claims on {there_label}", "beside")] if other is not None else []),
-                ("Results (report split)", "results"),
+    sections = [("Results (report split)", "results"),
                 *([("The width ladder: gap to the reference by width, each at its chosen rate", "ladder")]
                   if "ladder" in tables else []),
                 *([("Learning-rate sensitivity across scale", "scale_sensitivity"),
@@ -550,16 +618,37 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
     if tables["failures"][1]:
         sections.append(("Failed cells", "failures"))
     cells = Cells(out)
-    links = {"results": results_links(groups, cells), "claims": claims_links(claim_rows, cells)}
-    md = [f"# {title}", "", *header, "", *control_lines(claim_rows), "## Answers", "", *answers(claim_rows, cells), ""]
-    intros = {"claims": VERDICT_RULE, "ladder": LADDER_INTRO, "scale_sensitivity": SCALE_INTRO,
-              **({"beside": beside_intro(here_label, there_label, [str(d) for d in beside])} if other else {})}
+    numbered = [r for r in claim_rows if has_numbers(r)]  # the rest collapse to one line under the table
+    links = {"results": results_links(groups, cells), "claims": claims_links(numbered, cells)}
+    conf = [r for r in claim_rows if r.get("status") == "confirmatory"]
+    # the answer first: what each variant reached, the registered questions' answers; how it was made, last
+    md = [f"# {title}", "", header[0], "", "## What these results say", "", *control_lines(claim_rows),
+          *summary_lines(groups, cells), ""]
+    if conf:
+        md += ["### Registered questions", "", *answers(claim_rows, cells), ""]
+    else:
+        md += ["No question of these results was registered: every claim in the [claims table](#claims) is "
+               "exploratory or not measurable here.", ""]
+    intros = {"ladder": LADDER_INTRO, "scale_sensitivity": SCALE_INTRO}
     for name, key in sections:
         md += [f"## {name}", "", *([intros[key], ""] if key in intros else []), md_table(tables[key], links.get(key))]
+        if key == "results" and "val_curves" in figs:  # the loss curves right under the numbers they end at
+            md += [f"![val_curves]({figs['val_curves'].name})", "", captions["val_curves"], ""]
     md += predictions_lines(studies, gpu_results())  # a study's predictions for larger models, checked or not
     md += ["## Figures", ""]
     for k, p in figs.items():
-        md += [f"![{k}]({p.name})", "", captions[k], ""]
+        if k != "val_curves":
+            md += [f"![{k}]({p.name})", "", captions[k], ""]
+    md += [f"Not drawn: {k}, {why}." for k, why in empty.items()] + ([""] if empty else [])
+    md += ["## How these results were made", "", *header[1:], ""]
+    md += ['## <a id="claims"></a>Claims', "",
+           "Each claim of the papers as these results can read it, by [the verdict rule](#verdict-rule).", "",
+           md_table(claims_rows(groups, numbered), links["claims"]) if numbered else "No claim has a number here.",
+           "", *collapsed_claims([r for r in claim_rows if not has_numbers(r)]), ""]
+    if other is not None:
+        md += [f"## Beside: the same claims on {there_label}", "",
+               beside_intro(here_label, there_label, [str(d) for d in beside]), "", md_table(tables["beside"])]
+    md += ['## <a id="verdict-rule"></a>The verdict rule', "", VERDICT_RULE, ""]
     if cells.sets:
         md += ["## Cells behind the numbers", "", "A number of the tables above that came from several cells "
                "links here, to the result.json of each (a number from one cell links to its file).", "",

@@ -40,7 +40,7 @@ HEAD_KEYS = ("max_logit", "logit_change", "first_token", "entropy", "q_norm", "k
 SERIES_KEYS = ("max_logit", "logit_change", "wq_norm", "wk_norm")  # per head over time (head_series)
 SERIES_POINTS = 32
 DIVERGENCE_RULE = ("diverged = a non-finite loss or gradient was met, or the final selection-split loss is above "
-                   "the unigram entropy of the selection tokens (analyses.md item 7)")
+                   "the unigram entropy of the selection tokens (it learned nothing beyond token frequencies)")
 NONFINITE = "non-finite loss or gradient"  # how the divergence reason of a run that met one begins
 
 
