@@ -81,3 +81,64 @@ def test_train_and_diagnostics_do_not_import_each_other():
 
     assert not uses("diagnostics", "train")
     assert uses("train", "diagnostics")  # the trainer measures; the readers meet it in rundir/
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(("qklab", *(parts[:-1] if parts[-1] == "__init__" else parts)))
+
+
+def test_no_import_cycle_between_modules():
+    """No module imports, at any depth (lazy imports inside functions too), one that leads back to it (the
+    package root, the façade, aside)."""
+    modules = {_module(p): p for p in SRC.rglob("*.py")}
+
+    def targets(m: str, path: Path) -> set[str]:  # "from qklab.report import controls" names the submodule
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                out |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & modules.keys()
+                out |= subs or {node.module}
+        # the package itself is the façade: ``qklab.attach`` and friends import lazily from the rooms, and a room
+        # takes only ``__version__`` from it, so an arrow into it closes no loop a reader must follow
+        return {t for t in out if t in modules and t not in (m, "qklab")}
+
+    graph = {m: targets(m, p) for m, p in modules.items()}
+    cycles, seen = [], set()
+
+    def walk(m: str, stack: list[str]) -> None:  # depth first; a module met again on the stack closes a cycle
+        for n in sorted(graph[m]):
+            if n in stack:
+                cycles.append(" -> ".join(stack[stack.index(n):] + [n]))
+            elif n not in seen:
+                seen.add(n)
+                walk(n, [*stack, n])
+
+    for m in sorted(graph):
+        if m not in seen:
+            seen.add(m)
+            walk(m, [m])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+METHOD_NAMES = ("qkclip", "quack", "qknorm", "qkmap", "softcap", "quest", "ssmax", "qkguard", "compositional",
+                "qk_lr_multiplier", "upper_qk_slowdown")
+
+
+def test_no_method_name_is_tested_outside_methods():
+    """Code outside ``methods/`` asks a method or controller for a flag, never compares its name: a comparison
+    with a method's name (``== "qkclip"``, ``!= "quack"``, ``in ("qknorm", ...)``) there is a leak."""
+    leaks = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC)
+        if rel.parts[0] == "methods":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                consts = [c for c in [node.left, *node.comparators] for c in ([c] if not isinstance(c, ast.Tuple)
+                          else c.elts) if isinstance(c, ast.Constant) and c.value in METHOD_NAMES]
+                if consts:
+                    leaks.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not leaks, "method names tested outside methods/:\n" + "\n".join(leaks)

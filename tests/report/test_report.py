@@ -516,7 +516,7 @@ def test_new_rule_uses_holm_across_the_papers_claims(tmp_path):
 
 
 def test_a_chosen_rate_at_an_end_of_its_grid_is_marked():
-    from qklab.report.render import grid_edge
+    from qklab.study.analyze import grid_edge
 
     sweep = {0.5: {}, 1.0: {}, 2.0: {}}
     assert [grid_edge(m, sweep) for m in (0.5, 1.0, 2.0)] == [", bottom of grid", "", ", top of grid"]

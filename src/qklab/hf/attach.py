@@ -41,7 +41,8 @@ class Attached:
                  opts: Any, hooks: bool, track: bool, switch: AttnSwitch | None = None) -> None:
         self.model, self.optimizer, self.qk_layers, self.switch = model, optimizer, layers, switch
         # QK-clip reads every step's max logits, and so does a method that watches its own (QK-Guard)
-        self.needs_logits = controller == "qkclip" or any(layer.qk.watches_logits for layer in layers)
+        self.needs_logits = (CONTROLLERS[controller].reads_max_logits
+                             or any(layer.qk.watches_logits for layer in layers))
         self.step, self.removed, self._hooks = 0, False, []
         self._window: list[torch.Tensor | None] = [None] * len(layers)  # per layer (H,), on the device
         try:
@@ -103,7 +104,7 @@ class Attached:
         """Call right after optimizer.step()."""
         if self.tracking:  # fold this step's per-head max logits into the logging window, before QK-clip pops them
             self._fold()
-        biased = self.controller.name == "qkclip" and any(layer.biases for layer in self.qk_layers)
+        biased = self.controller.rescales_heads and any(layer.biases for layer in self.qk_layers)
         before = self._head_norms() if biased else None
         self.controller.after_step(self.step)
         if before is not None:
@@ -111,7 +112,7 @@ class Attached:
         for layer in self.qk_layers:
             if layer.qk.watches_logits:  # QK-Guard: this step's maxima decide its switch
                 layer.qk.step_end(layer.pop_max_logit(), self.step)
-            elif self.tracking and self.controller.name != "qkclip":  # QK-clip popped its own
+            elif self.tracking and not self.controller.reads_max_logits:  # QK-clip popped its own
                 layer.pop_max_logit()
         self.step += 1
 

@@ -23,7 +23,9 @@ from qklab.atomic import follow_umask
 from qklab.config import ModelConfig, QKConfig
 from qklab.data.tokenizer import EOT_TOKEN, BPETokenizer, ByteTokenizer
 from qklab.errors import ConfigError
-from qklab.methods.qknorm import QKNormOptions
+from qklab.methods import METHODS
+from qklab.methods.qknorm import QKNorm, QKNormOptions
+from qklab.methods.standard import Standard
 from qklab.model import GPT
 
 FAMILY = {"none": "llama", "qknorm": "qwen3"}
@@ -52,9 +54,10 @@ def plain_family(model: GPT) -> str | None:
     cfg, q = model.cfg, model.qk_cfg
     if cfg.attn_gate != "none" or cfg.attn_sink:
         return None
-    if q.method == "none":
+    method = METHODS[q.method]
+    if method is Standard:
         return "llama"
-    if q.method == "qknorm" and q.opts("qknorm") == QKNormOptions(eps=cfg.norm_eps):
+    if method is QKNorm and q.opts(q.method) == QKNormOptions(eps=cfg.norm_eps):
         return "qwen3"
     return None
 

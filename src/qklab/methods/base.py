@@ -224,6 +224,10 @@ class QKController:
     # it; None in one process. A controller whose inputs differ between ranks (QK-clip's max logits,
     # norms of sharded weights) reduces them so that every rank computes the same thing.
     reduce: Callable[[torch.Tensor, str], torch.Tensor] | None = None
+    # reads each step's per-head max logits itself (it pops the layers' trackers in after_step): QK-clip
+    reads_max_logits = False
+    # rescales the W_Q/W_K rows of a head by a scalar in after_step, so a bias of those rows must follow: QK-clip
+    rescales_heads = False
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, opts: Any) -> None:
         self.model = model

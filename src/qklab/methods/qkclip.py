@@ -50,6 +50,8 @@ class QKClipOptions:
 class QKClip(QKController):
     name = "qkclip"
     Options = QKClipOptions
+    reads_max_logits = True
+    rescales_heads = True
 
     @classmethod
     def check_method(cls, method: QKMethod, opts: QKClipOptions) -> None:

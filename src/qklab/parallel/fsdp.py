@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qklab.methods.base import QKMethod
 from qklab.methods.shards import is_sharded
 from qklab.parallel.context import DistContext
 
@@ -28,8 +29,8 @@ from qklab.parallel.context import DistContext
 def small_params(model: nn.Module) -> set[nn.Parameter]:
     """Parameters kept whole on every rank: vectors and the parameters of QK methods."""
     keep = {p for p in model.parameters() if p.ndim < 2}
-    for name, mod in model.named_modules():
-        if name.endswith(".qk"):
+    for mod in model.modules():
+        if isinstance(mod, QKMethod):
             keep.update(mod.parameters())
     return keep
 

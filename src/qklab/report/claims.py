@@ -6,14 +6,14 @@ losses, and seeds paired across methods; the logit claim compares the two at the
 tuned rate there is little for a control to do. Beside the verdict, each paired claim carries its
 statistics (n, df, mean difference, t-interval, bootstrap interval, effect size mean / sd, the t and the
 exact sign-flip p-values, and the sign-flip p-value adjusted across its family by Holm and by
-Benjamini-Hochberg), and the verdict of the rule used before (OLD_RULE) for comparison.
+Benjamini-Hochberg), and the verdict of the rule used before (the whole 95% t-interval on one side) for
+comparison.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,6 @@ from qklab.study.plan import (
 )
 from qklab.study.stats import benjamini_hochberg, difference_stats, fmt_ci, holm, min_seeds, paired_difference
 
-COMPETITIVE_MARGIN = 0.05  # nats: "competitive" = not worse by more than this (upper 95% bound)
 ALPHA = 0.05
 MIN_SEEDS = min_seeds(ALPHA)  # 6: with n seeds the smallest two-sided sign-flip p is 2 / 2^n, 0.0625 at n = 5
 
@@ -61,15 +60,6 @@ VERDICT_RULE = (
     "the ratio. The column 'verdict (old rule)' gives the rule used before, for comparison: agree or disagree"
     ' when the whole 95% t-interval lies on one side, inconclusive when it contains zero (or the margin) or '
     'one seed was run.')
-OLD_RULE = "the whole 95% t-interval on one side of zero (or of the margin); no seed count, no multiplicity correction"
-
-
-@dataclass
-class Claim:
-    paper: str
-    text: str
-    measurement: str
-    test: Callable[[list[dict]], tuple]  # groups -> (old-rule verdict, measured, reason[, statistics])
 
 
 def _name(kind: tuple) -> str:

@@ -77,8 +77,7 @@ def figure_data(analysis: dict[str, Any]) -> dict[str, Any]:
             wqk = [None if a is None or b is None else (np.asarray(a, float) * np.asarray(b, float)).tolist()
                    for a, b in zip(d["wq_norm"], d["wk_norm"], strict=True)]
             data["head_w_norms"].setdefault(att, {})[label] = _head_band(d["step"], wqk, seed)
-            if "quack" in hs:
-                q = hs["quack"]
+            for q in (v for k, v in hs.items() if k != "diag"):  # a controller's per-head factors (QuacK's)
                 both = [[v for k in q if k != "step" for v in np.ravel(np.asarray(q[k][i], float))]
                         for i in range(len(q["step"]))]
                 data["quack_factors"].setdefault(att, {})[label] = _head_band(q["step"], both, seed)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from qklab.study.analyze import grid_edge
 from qklab.study.stats import fmt_ci, paired_difference
 
 Table = tuple[list[str], list[list[str]]]
@@ -27,8 +28,6 @@ def _ladders(groups: list[dict[str, Any]]) -> dict[str, dict[str, dict[int, dict
 
 def _rate(g: dict[str, Any]) -> str:
     """A group's chosen rate multiple, marked at an end of its grid: 'x2', 'x4 top', 'none eligible'."""
-    from qklab.report.render import grid_edge
-
     ch = g["chosen"]
     return "none eligible" if ch is None else f"x{ch:g}" + grid_edge(ch, g["sweep"]).replace(", ", " ").replace(
         " of grid", "")

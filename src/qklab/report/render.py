@@ -29,7 +29,16 @@ from qklab.report.scale import (
     scale_sensitivity_table,
     trends_table,
 )
-from qklab.study.analyze import DELTA, analyze, best_by_place, best_select, highest_within, load_results, place
+from qklab.study.analyze import (
+    DELTA,
+    analyze,
+    best_by_place,
+    best_select,
+    grid_edge,
+    highest_within,
+    load_results,
+    place,
+)
 from qklab.study.plan import stored_plan
 from qklab.study.result import DIVERGENCE_RULE, OUTCOME_RULE, write_json_atomic
 from qklab.study.stats import fmt_ci, fmt_mean_std
@@ -75,14 +84,6 @@ def _paths(g: dict | None, mult: float | None = None) -> list[str]:
     cells = (g or {}).get("cells") or {}
     ms = sorted(cells) if mult is None else [mult] if mult in cells else []
     return [c["path"] for m in ms for c in sorted(cells[m], key=lambda c: c["seed"])]
-
-
-def grid_edge(mult: float, sweep: dict) -> str:
-    """", top of grid" / ", bottom of grid" for a chosen rate at an end of its variant's grid (of 3 rates or
-    more: its optimum may lie beyond); "" else."""
-    if len(sweep) < 3:
-        return ""
-    return ", top of grid" if mult == max(sweep) else ", bottom of grid" if mult == min(sweep) else ""
 
 
 def results_table(groups: list[dict]) -> Table:

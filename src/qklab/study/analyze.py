@@ -30,6 +30,14 @@ from qklab.study.result import CellOutcome, cell_outcome, load_result, num, read
 from qklab.study.stats import describe, paired_difference
 
 
+def grid_edge(mult: float, sweep: dict) -> str:
+    """", top of grid" / ", bottom of grid" for a chosen rate at an end of its variant's grid (of 3 rates or
+    more: its optimum may lie beyond); "" else."""
+    if len(sweep) < 3:
+        return ""
+    return ", top of grid" if mult == max(sweep) else ", bottom of grid" if mult == min(sweep) else ""
+
+
 def study_problem(s: Any) -> str | None:
     """None for a usable ``study.json``; otherwise what is wrong with it, in a few words."""
     if not isinstance(s, dict):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from qklab.config import TrainConfig
+from qklab.methods.base import QKMethod
 from qklab.methods.headwise import is_mla
 from qklab.parallel.muon import HeadMuon
 
@@ -51,8 +52,7 @@ def method_groups(model: nn.Module) -> dict[str, tuple[float, list[tuple[str, nn
     group name -> (rate multiplier, [(name, parameter)])."""
     out: dict[str, tuple[float, list[tuple[str, nn.Parameter]]]] = {}
     for mod_name, mod in model.named_modules():
-        ask = getattr(mod, "param_group", None)
-        spec = ask() if callable(ask) and mod_name.endswith(".qk") else None
+        spec = mod.param_group() if isinstance(mod, QKMethod) else None
         if spec is None:
             continue
         name, mult = spec
