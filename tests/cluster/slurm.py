@@ -49,7 +49,9 @@ def _conf(root: Path, host: str, ports: list[int], cpus: int) -> str:
         "SlurmdUser=root",
         "AuthType=auth/munge",
         "CredType=cred/munge",
-        f"AuthInfo=socket={root / 'munge' / 'socket'}",
+        # cred_expire: how long a requeued task waits before it may start again (default 120 s), which is also
+        # how long the node may still hold the previous run's credential: a task started sooner is killed
+        f"AuthInfo=socket={root / 'munge' / 'socket'},cred_expire=10",
         f"StateSaveLocation={root / 'state'}",
         f"SlurmdSpoolDir={root / 'spool'}",
         f"SlurmctldPidFile={root / 'slurmctld.pid'}",
