@@ -25,7 +25,8 @@ WITH_RESULTS = sorted(p for p in (ROOT / "src" / "qklab" / "studies").glob("*.to
 # included), so no cell of today's demo.toml has ever matched it (`qklab demo` trains them again). Its
 # cells' hashes are pinned instead: sha256 of the lines "<cell id> <hash>", in cell order.
 PINNED = {"demo": "3f0b94a06663dd38"}
-ADDED = {"demo": {"quest", "gate-head"}}  # variants added to a pinned study later: the others keep their hashes
+# variants added to a pinned study later: the others keep their hashes
+ADDED = {"demo": {"quest", "gate-head", "upper_qk_slowdown", "qkguard"}}
 
 
 def _digest(cells) -> str:

@@ -1,6 +1,6 @@
 """The main job: a small study of every QK method family on the built-in corpus, a short table, and
-the report (``studies/demo.toml``: MHA none, qknorm, softcap, qkmap, quack, qkclip and the fixed
-multiplier; MLA none, qknorm and quack)."""
+the report (``studies/demo.toml``: MHA none, qknorm, softcap, qkmap, quest, the head gate, quack, qkclip, the
+fixed multiplier, slowed upper-layer Q/K and QK-Guard; MLA none, qknorm and quack)."""
 
 from __future__ import annotations
 
