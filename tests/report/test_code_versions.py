@@ -15,3 +15,13 @@ def test_code_versions_per_study_and_the_warning():
     assert lines[0].startswith(f"Code versions of `a` (cells): {'a' * 12} (2), {'a' * 12}+diff {'d' * 12} (1).")
     assert "Warning: 2 code versions" in lines[0]
     assert lines[1] == f"Code versions of `b` (cells): {'b' * 12} (HEAD at the cell's start) (1)."
+
+
+def test_an_installed_package_says_unknown_once():
+    """Cells trained from a wheel record no commit: one line says so, not a count per study."""
+    cells = [{"study": s} for s in ("a", "a", "b")]
+    assert [x for x in code_lines(cells) if x] == [
+        "Code version: unknown (the cells recorded no commit: qklab ran from an installed package, not a git "
+        "checkout)."]
+    known = {"study": "a", "git_sha": "c" * 40}  # one cell that knows its commit: per study again
+    assert len([x for x in code_lines([*cells, known]) if x]) == 2

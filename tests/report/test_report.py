@@ -533,3 +533,43 @@ def test_a_design_amendment_is_named_in_the_header():
     line = _design_amendments(out)
     assert "protocol.lr_mults, cells (edge)" in line and "registered design too (its 2 cells)" in line
     assert _design_amendments(sj) == ""
+
+
+def test_p_values_need_six_paired_seeds_and_absolute_intervals_carry_no_sign():
+    """Below 6 paired seeds the exact sign-flip test cannot go under 2/2^n, so no p is printed as if it
+    could decide; a loss's interval is printed as the loss is, without a difference's signs."""
+    from qklab.report.render import _p, abs_ci
+
+    assert _p({"n": 5, "p": 0.001}) == "n=5 too few (sign-flip floor 0.062)"
+    assert _p({"n": 2, "p": 0.3}) == "n=2 too few (sign-flip floor 0.5)"
+    assert _p({"n": 6, "p": 0.0012345}) == "0.00123" and _p(None) == "-" and _p({"n": 8, "p": float("nan")}) == "-"
+    assert abs_ci(5.0191, 5.7573) == "[5.019, 5.757]" and abs_ci(float("nan"), 1.0) == "-"
+
+
+def test_figures_with_nothing_to_show_are_named_not_drawn():
+    from qklab.report.figures import nothing_to_show
+
+    one_rate = {"mha": {"none": {"lr": [1e-3], "mean": [5.0]},
+                        "qknorm": {"lr": [1e-3, 2e-3], "mean": [5.0, float("nan")]}}}  # a lost point: one rate
+    two_rates = {"mha": {"none": {"lr": [1e-3, 2e-3], "mean": [5.0, 5.1]}}}
+    short = {"mha": {"none": {"step": [30], "mean": [0.1]}}}
+    got = nothing_to_show({"lr_sensitivity": one_rate, "logit_by_rate": two_rates, "logit_change": short,
+                           "max_logit": {"mha": {"none": {"step": [10, 20], "mean": [1.0, 2.0]}}}, "probes": {}})
+    assert set(got) == {"lr_sensitivity", "logit_change"}
+    assert got["lr_sensitivity"].startswith("each variant ran at one learning rate")
+
+
+def test_first_token_axis_fits_its_bars(tmp_path):
+    """Bars of 0.01-0.02: the axis ends near them (not at 0.35) and the sink line is left out, the title says
+    why; a bar near 0.3 brings the sink line back."""
+    from qklab.report.figures import _first_token, _plt
+
+    plt = _plt()
+    for means, sink in (([0.012, 0.017], False), ([0.28, 0.05], True)):
+        fig, ax = plt.subplots()
+        series = {k: {"mean": m, "std": 0.001, "uniform": 0.02} for k, m in zip(("a", "b"), means, strict=True)}
+        _first_token(ax, "mha", series, {"a": "C0", "b": "C1"})
+        top = ax.get_ylim()[1]
+        assert any(ln.get_ydata()[0] == 0.3 for ln in ax.lines) == sink
+        assert (top >= 0.35) if sink else (0.017 < top < 0.05 and "far below" in ax.get_title())
+        plt.close(fig)
