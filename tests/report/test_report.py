@@ -538,7 +538,7 @@ def test_a_design_amendment_is_named_in_the_header():
 def test_p_values_need_six_paired_seeds_and_absolute_intervals_carry_no_sign():
     """Below 6 paired seeds the exact sign-flip test cannot go under 2/2^n, so no p is printed as if it
     could decide; a loss's interval is printed as the loss is, without a difference's signs."""
-    from qklab.report.render import _p, abs_ci
+    from qklab.report.tables import _p, abs_ci
 
     assert _p({"n": 5, "p": 0.001}) == "n=5 too few (sign-flip floor 0.062)"
     assert _p({"n": 2, "p": 0.3}) == "n=2 too few (sign-flip floor 0.5)"
