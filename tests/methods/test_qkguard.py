@@ -177,3 +177,27 @@ def test_options_and_refusals():
             load_config("tiny", ["qk.method=qkguard", bad])
     with pytest.raises(ConfigError, match="qkguard"):
         load_config("tiny", ["qk.method=qkguard", "qk.controller=qkclip"])
+
+
+def test_switched_and_dormant_heads_values_and_gradients_in_fp64():
+    """Against the formula written out in fp64: a switched key head and its query heads x / sqrt(mean(x^2) +
+    eps), then RoPE; a dormant one RoPE alone; values and the gradients of a random loss."""
+    g = QKGuard(AttnShape(64, 4, 2, 16, 0, 1), QKGuardOptions(eps=1e-6)).double()
+    g.on[0] = True  # key head 0 and query heads 0, 1 switched; key head 1, query heads 2, 3 dormant
+    rope = Rope(16, 10000.0)
+    q = (torch.randn(2, 4, 6, 16, dtype=torch.float64) * 5).requires_grad_()
+    k = (torch.randn(2, 2, 6, 16, dtype=torch.float64) * 5).requires_grad_()
+    wq, wk = torch.randn(2, 4, 6, 16, dtype=torch.float64), torch.randn(2, 2, 6, 16, dtype=torch.float64)
+
+    def norm(x):
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    mq, mk = g.map_qk(q, k, rope, 3)
+    rq = rope(torch.cat([norm(q[:, :2]), q[:, 2:]], 1), 3)
+    rk = rope(torch.cat([norm(k[:, :1]), k[:, 1:]], 1), 3)
+    torch.testing.assert_close(mq, rq, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(mk, rk, rtol=1e-12, atol=1e-12)
+    got = torch.autograd.grad(((mq * wq).sum() + (mk * wk).sum()), (q, k))
+    want = torch.autograd.grad(((rq * wq).sum() + (rk * wk).sum()), (q, k))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
