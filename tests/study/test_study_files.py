@@ -24,8 +24,8 @@ def test_study_file_is_valid(path):
 def test_demo_covers_every_method_family():
     s = load_study(Path(__file__).parents[2] / "studies" / "demo.toml")
     kinds = {(c.cfg.model.attention, c.cfg.qk.method, c.cfg.qk.controller, c.cfg.model.attn_gate) for c in s.cells}
-    assert kinds == {("mha", m, "none", "none") for m in ("none", "qknorm", "softcap", "qkmap", "quest")} | {
-        ("mha", "none", c, "none") for c in ("quack", "qkclip", "qk_lr_multiplier")} | {
+    assert kinds == {("mha", m, "none", "none") for m in ("none", "qknorm", "softcap", "qkmap", "quest", "qkguard")} | {
+        ("mha", "none", c, "none") for c in ("quack", "qkclip", "qk_lr_multiplier", "upper_qk_slowdown")} | {
         ("mha", "none", "none", "head"),
         ("mla", "none", "none", "none"), ("mla", "qknorm", "none", "none"), ("mla", "none", "quack", "none")}
 
