@@ -44,7 +44,9 @@ SUITES: dict[str, tuple[list[str], list[str]]] = {  # name -> (--set, --variant 
         "group-muon-g2:train.muon_per_head=qk,train.muon_head_groups=2",
         "group-muon-g3:train.muon_per_head=qk,train.muon_head_groups=3",
         "qk-lr-multiplier:qk.controller=qk_lr_multiplier",
-        "upper-qk-slowdown:qk.controller=upper_qk_slowdown,qk.upper_qk_slowdown.steps=1000000"]),
+        "upper-qk-slowdown:qk.controller=upper_qk_slowdown,qk.upper_qk_slowdown.steps=1000000",
+        # QK-Guard dormant (its max-logit watch only) and switched (every head from the first step: a QK-Norm's cost)
+        "qkguard-dormant:qk.method=qkguard", "qkguard-switched:qk.method=qkguard,qk.qkguard.threshold=1e-9"]),
 }
 
 
