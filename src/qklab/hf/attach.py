@@ -30,6 +30,7 @@ from qklab.hf.apply import method_options
 from qklab.hf.attention import AttnSwitch
 from qklab.hf.layers import LayerSpec, QKLayer, find_layers, spec_layer
 from qklab.methods import CONTROLLERS
+from qklab.methods.base import watched_metrics
 
 _LIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model, optimizer, layer module -> weakref(handle)
 
@@ -154,10 +155,7 @@ class Attached:
         """The controller's figures, and what was measured since the last call: ``max_logit_per_head`` (per
         layer, per head) and ``max_logit`` (their max); no max-logit key when nothing was."""
         out = dict(self.controller.metrics())
-        for layer in self.qk_layers:  # a watching method's own figures (QK-Guard: when each head switched)
-            if layer.qk.watches_logits:
-                for key, value in layer.qk.step_metrics().items():
-                    out.setdefault(key, []).append(value)
+        out.update(watched_metrics(self.qk_layers))  # a watching method's own figures (QK-Guard: its switches)
         heads = self.max_logits()
         if heads:
             out["max_logit_per_head"] = heads

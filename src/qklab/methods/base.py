@@ -215,6 +215,17 @@ class QKMethod(nn.Module):
         return f"name={self.name}, opts={self.opts}"
 
 
+def watched_metrics(layers) -> dict[str, list[Any]]:
+    """The metrics.jsonl values of the methods that watch their logits (``watches_logits``), each key a list
+    over those layers; ``layers``: objects with the method as ``.qk`` (attention modules, qklab.hf's layers)."""
+    out: dict[str, list[Any]] = {}
+    for layer in layers:
+        if layer.qk.watches_logits:
+            for key, value in layer.qk.step_metrics().items():
+                out.setdefault(key, []).append(value)
+    return out
+
+
 class QKController:
     """Optimizer-side QK method. The base class does nothing (controller "none")."""
 

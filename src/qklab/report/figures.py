@@ -351,31 +351,39 @@ def nothing_to_show(data: dict[str, Any]) -> dict[str, str]:
 
 
 def draw(data: dict[str, Any], out: Path) -> dict[str, Path]:
-    """Draw every figure that has data, each method in its colour (``colours(data)``) in every panel;
-    returns name -> PNG path."""
+    """Draw every figure that has data and something to show (``nothing_to_show``: not drawn, and no PNG of
+    it left from an earlier build), each method in its colour (``colours(data)``) in every panel; returns
+    name -> PNG path."""
     out.mkdir(parents=True, exist_ok=True)
     c = colours(data)
-    figs = {
-        "val_curves": _figure(data["val_curves"], out / "val_curves.png",
-                              _curves("selection-split loss", "loss (nats)"), c),
-        "lr_sensitivity": _figure(data["lr_sensitivity"], out / "lr_sensitivity.png",
-                                  _by_rate("learning-rate sensitivity", "final selection-split loss"), c),
-        "logit_by_rate": _figure(data["logit_by_rate"], out / "logit_by_rate.png",
-                                 _by_rate("final max attention logit", "max logit", log_y=True), c),
-        "max_logit": _figure(data["max_logit"], out / "max_logit.png",
-                             _curves("max attention logit", "max logit", True), c),
-        "logit_change": _figure(data["logit_change"], out / "logit_change.png",
-                                _curves("logit change per step", "mean |d logit| / step", True), c),
-        "first_token": _figure(data["first_token"], out / "first_token.png", _first_token, c, sharey=True),
-        "probes": _probes(data["probes"], out / "probes.png", c),
-        "head_max_logit": _figure(data["head_max_logit"], out / "head_max_logit.png",
-                                  _curves("max logit per head (median, band: lowest to highest head)", "max logit",
-                                          True, heads=True), c),
-        "head_w_norms": _figure(data["head_w_norms"], out / "head_w_norms.png",
-                                _curves("||W_Q,h|| ||W_K,h|| per head (median, band over heads)", "norm product",
-                                        True, heads=True), c),
-        "quack_factors": _figure(data["quack_factors"], out / "quack_factors.png",
-                                 _curves("QuacK learning-rate factor per head and matrix", "factor", True, heads=True),
-                                 c),
+    makers = {
+        "val_curves": lambda: _figure(data["val_curves"], out / "val_curves.png",
+                                      _curves("selection-split loss", "loss (nats)"), c),
+        "lr_sensitivity": lambda: _figure(data["lr_sensitivity"], out / "lr_sensitivity.png",
+                                          _by_rate("learning-rate sensitivity", "final selection-split loss"), c),
+        "logit_by_rate": lambda: _figure(data["logit_by_rate"], out / "logit_by_rate.png",
+                                         _by_rate("final max attention logit", "max logit", log_y=True), c),
+        "max_logit": lambda: _figure(data["max_logit"], out / "max_logit.png",
+                                     _curves("max attention logit", "max logit", True), c),
+        "logit_change": lambda: _figure(data["logit_change"], out / "logit_change.png",
+                                        _curves("logit change per step", "mean |d logit| / step", True), c),
+        "first_token": lambda: _figure(data["first_token"], out / "first_token.png", _first_token, c, sharey=True),
+        "probes": lambda: _probes(data["probes"], out / "probes.png", c),
+        "head_max_logit": lambda: _figure(
+            data["head_max_logit"], out / "head_max_logit.png",
+            _curves("max logit per head (median, band: lowest to highest head)", "max logit", True, heads=True), c),
+        "head_w_norms": lambda: _figure(
+            data["head_w_norms"], out / "head_w_norms.png",
+            _curves("||W_Q,h|| ||W_K,h|| per head (median, band over heads)", "norm product", True, heads=True), c),
+        "quack_factors": lambda: _figure(
+            data["quack_factors"], out / "quack_factors.png",
+            _curves("QuacK learning-rate factor per head and matrix", "factor", True, heads=True), c),
     }
-    return {k: v for k, v in figs.items() if v is not None}
+    empty = nothing_to_show(data)
+    figs = {}
+    for name, make in makers.items():
+        if name in empty:
+            (out / f"{name}.png").unlink(missing_ok=True)
+        elif (path := make()) is not None:
+            figs[name] = path
+    return figs

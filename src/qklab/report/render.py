@@ -297,10 +297,7 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
     groups = analysis["groups"]
     data = figure_data(analysis)
     figs = draw(data, out)
-    empty = nothing_to_show(data)  # figures not drawn: one rate per variant, no curve of two points
-    for k in empty:  # not drawn: no PNG of it stays (a file from an earlier build included)
-        (out / f"{k}.png").unlink(missing_ok=True)
-    figs = {k: v for k, v in figs.items() if k not in empty}
+    empty = nothing_to_show(data)  # figures not drawn (one rate per variant, no curve of two points), named
     names = list(dict.fromkeys(g["study"] for g in groups))  # one grid table per study, in report order
     grids = {f"grid {n}": grid_table([g for g in groups if g["study"] == n]) for n in names}
     probes = probes_tables(groups)

@@ -27,6 +27,7 @@ from qklab.diagnostics.monitor import AttentionMonitor
 from qklab.diagnostics.stability import NonFiniteError, SpikeDetector
 from qklab.errors import ConfigError, UserError
 from qklab.methods import CONTROLLERS
+from qklab.methods.base import watched_metrics
 from qklab.model import GPT
 from qklab.model.flex import causal_block_mask
 from qklab.parallel import DistContext
@@ -305,14 +306,6 @@ class Trainer:
         for a, m in zip(self.watched, packed.split([len(m) for m in maxima]), strict=True):
             a.qk.step_end(m, self.step)
 
-    def _watch_metrics(self) -> dict[str, Any]:
-        """The watching methods' values for metrics.jsonl, each key a list over their layers."""
-        out: dict[str, list[Any]] = {}
-        for a in self.watched:
-            for key, value in a.qk.step_metrics().items():
-                out.setdefault(key, []).append(value)
-        return out
-
     def flush(self) -> list[tuple[int, float, float]]:
         """Read the (step, loss, grad norm) of every step since the last flush in one host sync, end the
         run at the first non-finite one (train.nonfinite=stop) and feed the spike detector in step order."""
@@ -390,7 +383,7 @@ class Trainer:
                 if at_log:
                     rec.update(loss=loss, grad_norm=gnorm, lr=self.optimizers[0].param_groups[0]["lr"],
                                tokens_per_s=tps, tokens=self.step * tokens_per_step, **self.controller.metrics(),
-                               **self._watch_metrics())
+                               **watched_metrics(self.watched))
                 if at_eval:
                     last = self.evaluate()
                     rec.update(last)
