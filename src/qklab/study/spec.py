@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qklab.config import NEUTRAL, ConfigError, RunConfig, _parse_value, check_run_name, from_dict, read_preset, set_key
+from qklab.config import NEUTRAL, ConfigError, RunConfig, check_run_name, from_dict, read_preset, set_key
+from qklab.config.load import _parse_value
 from qklab.methods import CONTROLLERS, METHODS
 from qklab.study.plan import parse_plan
 
