@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from qklab.cli import build_parser, main
-from qklab.config import ConfigError, comparable, load_config, resume_changes
+from qklab.config import ConfigError, comparable, flatten, load_config, resume_changes
 from qklab.methods import METHODS
 from qklab.methods.softcap import SoftCapOptions
 
@@ -133,6 +133,13 @@ def test_resume_changes_name_only_keys_that_may_not_change():
     c = comparable(load_config("tiny", ["qk.method=softcap"]))
     assert resume_changes(c, b) == ["qk.softcap.cap 50.0 -> 20.0"]  # a method option counts too
     assert resume_changes({"train": {"steps": 1}}, b) == []  # keys a run did not save are not compared
+
+
+def test_flatten_gives_dotted_keys_and_lifts_only_what_it_is_told():
+    nested = {"qk": {"method": "softcap", "options": {"softcap": {"cap": 30.0}}}, "train.lr": 1e-3}
+    assert flatten(nested) == {"qk.method": "softcap", "qk.options.softcap.cap": 30.0, "train.lr": 1e-3}
+    assert flatten(nested, lift={"qk.options"}) == {"qk.method": "softcap", "qk.softcap.cap": 30.0, "train.lr": 1e-3}
+    assert flatten({"softcap": {"cap": 1}}, "qk.") == {"qk.softcap.cap": 1}
 
 
 def test_choices_come_from_the_field_types():

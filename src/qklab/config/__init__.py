@@ -11,12 +11,14 @@ computes: a study's cell hash leaves it out) and whether it is resumable (may ch
     checks.py    ranges and choices, rules across keys (``check_model``), run names
     run.py       ``RunConfig``, ``NEUTRAL`` and ``RESUMABLE``, what a resumed run may change
     load.py      presets and ``--set`` items -> a validated ``RunConfig`` (``load_config``)
+    dotted.py    dotted keys: set one in a nested dict, a nested dict as dotted keys (``flatten``)
     keys.py      every key as ``qklab config`` and docs/config.md list it
 """
 
 from __future__ import annotations
 
 from qklab.config.checks import check_head_groups, check_model, check_run_name
+from qklab.config.dotted import flatten, set_key
 from qklab.config.keys import REFERENCE, KeyInfo, config_keys, keys_markdown, keys_text, select_keys, toml_value
 from qklab.config.load import (
     PRESET_DIR,
@@ -26,7 +28,6 @@ from qklab.config.load import (
     read_preset,
     resolve_named_file,
     resolve_preset,
-    set_key,
 )
 from qklab.config.run import NEUTRAL, RESUMABLE, RunConfig, comparable, resume_changes
 from qklab.config.sections import MLADims, ModelConfig, QKConfig, Tracker, TrainConfig, from_dict
@@ -36,7 +37,7 @@ from qklab.errors import ConfigError
 __all__ = [
     "NEUTRAL", "PRESET_DIR", "REFERENCE", "RESUMABLE", "ConfigError", "DataConfig", "KeyInfo", "MLADims",
     "ModelConfig", "QKConfig", "RunConfig", "Tracker", "TrainConfig", "check_head_groups", "check_model",
-    "check_run_name", "comparable", "config_keys", "from_dict", "keys_markdown", "keys_text", "load_config",
-    "packaged", "preset_names", "read_preset", "resolve_named_file", "resolve_preset", "resume_changes",
-    "select_keys", "set_key", "toml_value",
+    "check_run_name", "comparable", "config_keys", "flatten", "from_dict", "keys_markdown", "keys_text",
+    "load_config", "packaged", "preset_names", "read_preset", "resolve_named_file", "resolve_preset",
+    "resume_changes", "select_keys", "set_key", "toml_value",
 ]

@@ -8,6 +8,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from qklab.config.dotted import set_key
 from qklab.config.run import RunConfig
 from qklab.config.sections import from_dict
 from qklab.errors import ConfigError
@@ -67,14 +68,3 @@ def _parse_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text  # a bare word is a string: --set qk.method=qknorm
-
-
-def set_key(d: dict[str, Any], key: str, value: Any) -> None:
-    """Set dotted ``key`` (``train.lr``, ``qk.softcap.cap``) in a raw nested config dict."""
-    keys = key.split(".")
-    for k in keys[:-1]:
-        nxt = d.setdefault(k, {})
-        if not isinstance(nxt, dict):
-            raise ConfigError(f"--set {key}: '{k}' is a value, not a section")
-        d = nxt
-    d[keys[-1]] = value

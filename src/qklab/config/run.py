@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qklab.config.checks import check_fields, check_head_groups, check_model, check_run_name
+from qklab.config.dotted import flatten
 from qklab.config.sections import ModelConfig, QKConfig, Tracker, TrainConfig, _key, ensure, field_types
 from qklab.data import DataConfig, DataError
 from qklab.errors import ConfigError
@@ -74,19 +75,11 @@ def comparable(cfg: RunConfig) -> dict[str, Any]:
     return d
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flat(v, "qk." if key == "qk.options" else key + "."))  # [qk.<method>] options
-        else:
-            out[key] = v
-    return out
+OPTIONS = "qk.options"  # where ``to_dict`` keeps the method options; ``--set`` names them qk.<name>.<option>
 
 
 def resume_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """``key old -> new`` for each key that differs and may not change on resume. Keys only one side has
     (added or removed by another version of qklab) are not compared."""
-    a, b = _flat(saved), _flat(now)
+    a, b = (flatten(d, lift={OPTIONS}) for d in (saved, now))
     return [f"{k} {a[k]!r} -> {b[k]!r}" for k in sorted(a.keys() & b.keys()) if k not in RESUMABLE and a[k] != b[k]]

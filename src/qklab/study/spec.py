@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qklab.config import NEUTRAL, ConfigError, RunConfig, check_run_name, from_dict, read_preset, set_key
+from qklab.config import NEUTRAL, ConfigError, RunConfig, check_run_name, flatten, from_dict, read_preset, set_key
 from qklab.config.load import _parse_value
 from qklab.methods import CONTROLLERS, METHODS
 from qklab.study.plan import parse_plan
@@ -123,18 +123,6 @@ def _value(v: Any) -> Any:
     raise ConfigError(f"value {v!r} cannot be set from a study file; use a string, number, boolean or list")
 
 
-def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{'qk': {'method': 'x'}} and {'qk.method': 'x'} both -> {'qk.method': 'x'}."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
 def parse_sets(items: list[str], where: str) -> dict[str, Any]:
     """['key=value', ...] (command-line --set items) -> {key: value}, values parsed as in --set."""
     out = {}
@@ -147,6 +135,8 @@ def parse_sets(items: list[str], where: str) -> dict[str, Any]:
 
 
 def _sets(d: dict[str, Any]) -> list[tuple[str, Any]]:
+    """A study table's (key, value) settings; its keys are ``--set`` keys already (qk.<name>.<option>), so
+    ``flatten`` lifts no section."""
     return [(k, _value(v)) for k, v in flatten(d).items()]
 
 
