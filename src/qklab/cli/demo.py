@@ -8,8 +8,8 @@ import math
 from pathlib import Path
 
 from qklab.cli.study import exit_code, resolve_study, run_and_report, warn, workers_for
-from qklab.config import ConfigError
-from qklab.study.spec import parse_sets, parse_study, read_study
+from qklab.config import ConfigError, parse_sets
+from qklab.study.spec import parse_study, read_study
 
 
 def run_demo(study: str = "demo", methods: str | None = None, overrides: list[str] | None = None,

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from qklab.config import ConfigError
-from qklab.study.spec import NAME_RE, Study, parse_sets, parse_study
+from qklab.config import ConfigError, parse_sets
+from qklab.study.spec import NAME_RE, Study, parse_study
 
 
 @dataclass

@@ -11,14 +11,14 @@ computes: a study's cell hash leaves it out) and whether it is resumable (may ch
     checks.py    ranges and choices, rules across keys (``check_model``), run names
     run.py       ``RunConfig``, ``NEUTRAL`` and ``RESUMABLE``, what a resumed run may change
     load.py      presets and ``--set`` items -> a validated ``RunConfig`` (``load_config``)
-    dotted.py    dotted keys: set one in a nested dict, a nested dict as dotted keys (``flatten``)
+    dotted.py    dotted keys: key=value items (``parse_set``), set in a nested dict, ``flatten``
     keys.py      every key as ``qklab config`` and docs/config.md list it
 """
 
 from __future__ import annotations
 
 from qklab.config.checks import check_head_groups, check_model, check_run_name
-from qklab.config.dotted import flatten, set_key
+from qklab.config.dotted import flatten, parse_set, parse_sets, parse_value, set_key
 from qklab.config.keys import REFERENCE, KeyInfo, config_keys, keys_markdown, keys_text, select_keys, toml_value
 from qklab.config.load import (
     PRESET_DIR,
@@ -38,6 +38,6 @@ __all__ = [
     "NEUTRAL", "PRESET_DIR", "REFERENCE", "RESUMABLE", "ConfigError", "DataConfig", "KeyInfo", "MLADims",
     "ModelConfig", "QKConfig", "RunConfig", "Tracker", "TrainConfig", "check_head_groups", "check_model",
     "check_run_name", "comparable", "config_keys", "flatten", "from_dict", "keys_markdown", "keys_text",
-    "load_config", "packaged", "preset_names", "read_preset", "resolve_named_file", "resolve_preset",
-    "resume_changes", "select_keys", "set_key", "toml_value",
+    "load_config", "packaged", "parse_set", "parse_sets", "parse_value", "preset_names", "read_preset",
+    "resolve_named_file", "resolve_preset", "resume_changes", "select_keys", "set_key", "toml_value",
 ]

@@ -1,12 +1,37 @@
-"""Dotted config keys (``train.lr``, ``qk.softcap.cap``): setting one in a nested config dict, and a nested
-dict as dotted keys (``flatten``). Used by loading (``--set``), resuming and study files alike."""
+"""Dotted config keys (``train.lr``, ``qk.softcap.cap``): ``key=value`` items read (``parse_set``), one set
+in a nested config dict (``set_key``), a nested dict as dotted keys (``flatten``). Used by loading
+(``--set``), resuming, study files and the study commands alike."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import tomllib
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from qklab.errors import ConfigError
+
+
+def parse_value(text: str) -> Any:
+    """A value as ``--set`` reads it: TOML (1e-3, true, [1, 2], "x"), else the text itself, so that a bare
+    word is a string (qk.method=qknorm)."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_set(item: str, where: str = "--set") -> tuple[str, Any]:
+    """'train.lr=1e-3' -> ('train.lr', 0.001): the key, stripped, and its value (``parse_value``); ``where``
+    (what the item came with: --set, a sweep's --variant) starts the one line that refuses a malformed item."""
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"{where}: '{item}' must look like key=value, e.g. train.lr=1e-3 or qk.method=qknorm")
+    return key.strip(), parse_value(value.strip())
+
+
+def parse_sets(items: Iterable[str], where: str = "--set") -> dict[str, Any]:
+    """['key=value', ...] -> {key: value}, each item read by ``parse_set``."""
+    return dict(parse_set(item, where) for item in items)
 
 
 def set_key(d: dict[str, Any], key: str, value: Any) -> None:

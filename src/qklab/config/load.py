@@ -8,7 +8,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from qklab.config.dotted import set_key
+from qklab.config.dotted import parse_set, set_key
 from qklab.config.run import RunConfig
 from qklab.config.sections import from_dict
 from qklab.errors import ConfigError
@@ -44,11 +44,8 @@ def preset_names() -> list[str]:
 
 def load_config(spec: str | None = None, overrides: list[str] | None = None) -> RunConfig:
     raw = read_preset(spec) if spec else {}
-    for item in overrides or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set '{item}' must look like key=value, e.g. --set train.lr=1e-3")
-        set_key(raw, key.strip(), _parse_value(value.strip()))
+    for item in overrides or []:  # in order: a later item overrides an earlier one
+        set_key(raw, *parse_set(item))
     return from_dict(RunConfig, raw).validate()
 
 
@@ -61,10 +58,3 @@ def read_preset(spec: str) -> dict[str, Any]:
         raise ConfigError(f"{path}: invalid TOML ({e})") from None
     raw.setdefault("preset", path.stem)
     return raw
-
-
-def _parse_value(text: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text  # a bare word is a string: --set qk.method=qknorm

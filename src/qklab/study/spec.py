@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 from qklab.config import NEUTRAL, ConfigError, RunConfig, check_run_name, flatten, from_dict, read_preset, set_key
-from qklab.config.load import _parse_value
 from qklab.methods import CONTROLLERS, METHODS
 from qklab.study.plan import parse_plan
 
@@ -121,17 +120,6 @@ def _value(v: Any) -> Any:
     if isinstance(v, list | tuple):
         return [_value(x) for x in v]
     raise ConfigError(f"value {v!r} cannot be set from a study file; use a string, number, boolean or list")
-
-
-def parse_sets(items: list[str], where: str) -> dict[str, Any]:
-    """['key=value', ...] (command-line --set items) -> {key: value}, values parsed as in --set."""
-    out = {}
-    for kv in items:
-        key, sep, value = kv.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"{where}: '{kv}' must look like key=value, e.g. qk.method=qknorm")
-        out[key.strip()] = _parse_value(value.strip())
-    return out
 
 
 def _sets(d: dict[str, Any]) -> list[tuple[str, Any]]:
