@@ -127,18 +127,39 @@ METHOD_NAMES = ("qkclip", "quack", "qknorm", "qkmap", "softcap", "quest", "ssmax
                 "qk_lr_multiplier", "upper_qk_slowdown")
 
 
+def _outside_methods():
+    """(path relative to the package, AST node) of every node of every module outside ``methods/``."""
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC)
+        if rel.parts[0] != "methods":
+            yield from ((rel, node) for node in ast.walk(ast.parse(path.read_text())))
+
+
+def _constants(nodes: list) -> list:
+    """The constants among ``nodes``, a tuple's elements included."""
+    return [c.value for n in nodes for c in (n.elts if isinstance(n, ast.Tuple) else [n])
+            if isinstance(c, ast.Constant)]
+
+
 def test_no_method_name_is_tested_outside_methods():
     """Code outside ``methods/`` asks a method or controller for a flag, never compares its name: a comparison
     with a method's name (``== "qkclip"``, ``!= "quack"``, ``in ("qknorm", ...)``) there is a leak."""
-    leaks = []
-    for path in sorted(SRC.rglob("*.py")):
-        rel = path.relative_to(SRC)
-        if rel.parts[0] == "methods":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Compare):
-                consts = [c for c in [node.left, *node.comparators] for c in ([c] if not isinstance(c, ast.Tuple)
-                          else c.elts) if isinstance(c, ast.Constant) and c.value in METHOD_NAMES]
-                if consts:
-                    leaks.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    leaks = [f"{rel}:{node.lineno}: {ast.unparse(node)}" for rel, node in _outside_methods()
+             if isinstance(node, ast.Compare) and set(_constants([node.left, *node.comparators])) & set(METHOD_NAMES)]
     assert not leaks, "method names tested outside methods/:\n" + "\n".join(leaks)
+
+
+def _names_a_method(text) -> bool:
+    """'quack_', 'qkclip', '.quack_wq': a string spelling a method's name or a prefix of its metrics."""
+    t = text.strip("._") if isinstance(text, str) else ""
+    return bool(t) and (t in METHOD_NAMES or t.split("_")[0] in METHOD_NAMES)
+
+
+def test_no_method_prefix_is_matched_outside_methods():
+    """Code outside ``methods/`` finds a method's metrics through what the method declares
+    (``QKController.head_series_prefix``), never by a prefix it spells: ``k.startswith("quack_")`` there is a
+    leak."""
+    leaks = [f"{rel}:{node.lineno}: {ast.unparse(node)}" for rel, node in _outside_methods()
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+             and node.func.attr in ("startswith", "endswith") and any(map(_names_a_method, _constants(node.args)))]
+    assert not leaks, "method prefixes matched outside methods/:\n" + "\n".join(leaks)

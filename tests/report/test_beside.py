@@ -10,7 +10,7 @@ import pytest
 
 from qklab.cli.commands import main
 from qklab.report import write_report
-from qklab.study.plan import defaults
+from qklab.study.catalogue import CATALOGUE
 from qklab.study.result import write_json_atomic
 from tests.study.synthetic import result
 
@@ -20,7 +20,7 @@ def _study(root, name: str, source: str, seeds: int, claims: list[str], effect: 
     res = root / name
     write_json_atomic(res / "study.json", {"name": name, "config": "tiny", "seeds": list(range(seeds)),
                                            "variants": {v: {} for v in ("none", "qknorm", "qkmap")},
-                                           "plan": {"claims": {c: defaults(c) for c in claims}},
+                                           "plan": {"claims": {c: CATALOGUE[c].params() for c in claims}},
                                            "protocol": {"reference": "none", "lr_mults": [1.0]}})
     for s in range(seeds):
         n = 0.01 * ((s * 7) % 5 - 2)  # -0.02 .. +0.02

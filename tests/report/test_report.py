@@ -12,15 +12,15 @@ import pytest
 from qklab.config import ConfigError
 from qklab.report import write_report
 from qklab.report.figures import uniform_first_token
-from qklab.study.plan import CATALOGUE, OWN_PAPERS, defaults
+from qklab.study.catalogue import CATALOGUE, SCALE_FAMILY
 from qklab.study.result import write_json_atomic
 from tests.study.synthetic import probe, result
 
 VARIANTS = {"none": {}, "qknorm": {}, "qkmap": {}, "quack": {}, "mla-none": {}, "mla-quack": {}, "mla-qkclip": {}}
 # every claim registered at the catalogue's parameters, stability by the entropy rule (a planted study's plan)
-PLAN = {"claims": {cid: {**defaults(cid), **({"stable": "entropy"} if "stable" in defaults(cid) else {})}
-                   for cid in CATALOGUE if CATALOGUE[cid][0] not in OWN_PAPERS  # the papers' claims, and no
-                   and CATALOGUE[cid][1] != "control"}}  # positive control (it gates the rest: test_controls.py)
+PLAN = {"claims": {cid: {**c.params(), **({"stable": "entropy"} if "stable" in c.params() else {})}
+                   for cid, c in CATALOGUE.items() if c.paper != SCALE_FAMILY  # the papers' claims, and no
+                   and c.kind != "control"}}  # positive control (it gates the rest: test_controls.py)
 
 
 def _write(tmp_path):

@@ -13,8 +13,8 @@ import pytest
 from qklab.cli import main
 from qklab.config import ConfigError
 from qklab.report.claims import claims_table, registered_results
+from qklab.study.catalogue import CATALOGUE
 from qklab.study.plan import (
-    CATALOGUE,
     amend,
     check_plan,
     design,
@@ -82,7 +82,7 @@ def test_plan_change_after_results_is_refused_until_amended(tmp_path, capsys):
     sj = read_result(tmp_path / "o" / "results" / "study.json")
     plan_a = parse_plan({"alpha": 0.05, "qkmap.val_vs_none": {"family": "QK-MAP"}})
     assert sj["plan"]["sha256"] == plan_hash(plan_a) and stored_plan(sj) == plan_a
-    assert sj["plan"]["claims"]["qkmap.val_vs_none"]["claim"] == CATALOGUE["qkmap.val_vs_none"][2]
+    assert sj["plan"]["claims"]["qkmap.val_vs_none"]["claim"] == CATALOGUE["qkmap.val_vs_none"].text
     before = (tmp_path / "o" / "results" / "study.json").read_bytes()
     assert _run(tmp_path, f) == 0  # the same plan: study.json stays byte for byte
     assert (tmp_path / "o" / "results" / "study.json").read_bytes() == before

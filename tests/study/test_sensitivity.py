@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from qklab.report.scale_claims import MEASURES
+from qklab.study.catalogue import CATALOGUE
 from qklab.study.sensitivity import group_sensitivity, group_size, lr_sensitivity, non_embedding, slope, trend
 
 L0 = math.log(4096)
@@ -76,32 +76,39 @@ def test_group_sensitivity_and_size():
     assert group_sensitivity(_planted()[2]) == pytest.approx({s: (L0 - 4.0) / 2 for s in range(3)})
 
 
+def _measure(cid: str, groups: list[dict]):
+    return CATALOGUE[cid].measure(groups, CATALOGUE[cid].params())
+
+
 def test_scale_claims_by_hand():
     gs = _planted()
     # qknorm - none slopes: 0.05 s - 0.25 = -0.25, -0.20, -0.15; mean -0.2, sd 0.05, t = -0.2 / (0.05 / sqrt 3)
-    verdict, measured, _, st, _ = MEASURES["scale.qknorm_sensitivity"](gs, {})
+    m = _measure("scale.qknorm_sensitivity", gs)
+    verdict, measured, st = m.verdict, m.measured, m.stats
     t = 0.2 / (0.05 / math.sqrt(3))
     assert st["mean"] == pytest.approx(-0.2) and st["n"] == 3
     assert st["p"] == pytest.approx(1 - t / math.sqrt(2 + t * t))  # the t distribution's cdf at 2 df, closed form
     assert verdict == "agree" and "-0.2" in measured
     # quack's sensitivity is flat: slope 0 against none's 0.25 at every seed (no spread): -0.25 each
-    _, _, _, st, _ = MEASURES["scale.quack_sensitivity"](gs, {})
+    st = _measure("scale.quack_sensitivity", gs).stats
     assert st["mean"] == pytest.approx(-0.25) and st["p"] == 0.0
     # none's max logit per doubling: mean over widths of 0.3 + 0.1 s + 0.1 i = 0.4 + 0.1 s; claimed > 0
-    verdict, measured, _, st, _ = MEASURES["scale.control_logit_rate"](gs, {})
+    m = _measure("scale.control_logit_rate", gs)
+    verdict, measured, st = m.verdict, m.measured, m.stats
     assert st["mean"] == pytest.approx(-0.5) and verdict == "agree"  # statistics of the claimed-below form
     assert "+0.5" in measured
     # at the highest rate every width ran (2e-3): log10 max logit 1.3 + 0.1 s + 0.1 i, 0.1 per decade of size
-    verdict, measured, _, st, _ = MEASURES["scale.control_logit_width"](gs, {})
+    m = _measure("scale.control_logit_width", gs)
+    verdict, measured, st = m.verdict, m.measured, m.stats
     assert st["mean"] == pytest.approx(-0.1) and "rate 0.002" in measured and verdict == "agree"
     # no method that ran nowhere: not measurable
-    assert MEASURES["scale.quest_sensitivity"](gs, {})[0] == "not measurable"
+    assert _measure("scale.quest_sensitivity", gs).verdict == "not measurable"
 
 
 def test_scale_claims_listed_where_registered_and_holm_on_the_t_test(monkeypatch):
     from qklab.report import claims
     from qklab.report.claims import claims_table
-    from qklab.study.plan import CATALOGUE, parse_plan
+    from qklab.study.plan import parse_plan
 
     # the scale claims alone (the papers' claims need fields these planted groups do not have)
     monkeypatch.setattr(claims, "CATALOGUE", {k: v for k, v in CATALOGUE.items() if k.startswith("scale.")})

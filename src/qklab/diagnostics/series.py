@@ -2,7 +2,8 @@
 
 The trainer logs the per-head diagnostics (``diag``: max logit, logit change, first-token attention, ...)
 every ``train.diag_every`` steps and at the last step, and an optimizer-side controller's per-head
-factors (QuacK: ``quack_<name>``, one L x H list per logged step) with the other step metrics. This
+factors (``QKController.head_series_prefix``: QuacK's ``quack_<name>``, one L x H list per logged step)
+with the other step metrics. This
 gathers them into one array per quantity.
 """
 
@@ -12,8 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
+from qklab.methods import HEAD_SERIES
+
 DIAG_SERIES = ("max_logit", "logit_change", "first_token")
-CONTROLLER_PREFIXES = ("quack_",)
+CONTROLLER_PREFIXES = tuple(HEAD_SERIES)
 
 
 def _is_grid(v: object) -> bool:

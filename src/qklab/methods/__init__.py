@@ -36,5 +36,8 @@ CONTROLLERS: dict[str, type[QKController]] = {
     "compositional": Compositional,
     "upper_qk_slowdown": UpperQKSlowdown,
 }
+# the controllers' per-head factor series (QKController.head_series_prefix): metrics prefix -> series name
+HEAD_SERIES: dict[str, str] = {c.head_series_prefix: c.head_series_prefix.rstrip("_")
+                               for c in CONTROLLERS.values() if c.head_series_prefix}
 
-__all__ = ["METHODS", "CONTROLLERS", "AttnShape", "QKMethod", "QKController"]
+__all__ = ["METHODS", "CONTROLLERS", "HEAD_SERIES", "AttnShape", "QKMethod", "QKController"]

@@ -239,6 +239,9 @@ class QKController:
     reads_max_logits = False
     # rescales the W_Q/W_K rows of a head by a scalar in after_step, so a bias of those rows must follow: QK-clip
     rescales_heads = False
+    # the prefix of its per-head factors in metrics() (one L x H list each), which a study's result keeps over
+    # training as the head series named by the prefix less its "_" ("": none kept): QuacK's "quack_"
+    head_series_prefix = ""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, opts: Any) -> None:
         self.model = model

@@ -101,6 +101,7 @@ def partner_factors(attn, norm: str = "fro", gains: dict[str, torch.Tensor] | No
 
 class QuacK(QKController):
     name = "quack"
+    head_series_prefix = "quack_"
     Options = QuacKOptions
 
     def __init__(self, model, optimizer, opts: QuacKOptions) -> None:

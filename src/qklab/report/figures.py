@@ -325,6 +325,28 @@ def _probes(series: dict[str, dict], path: Path, colour: dict[str, str]) -> Path
 
 
 BY_RATE = ("lr_sensitivity", "logit_by_rate")
+# figure name -> its caption in the report
+CAPTIONS = {"val_curves": "Selection-split loss over training at each variant's chosen rate (mean, band: "
+                          "min-max over seeds).",
+            "lr_sensitivity": "Final selection-split loss against the learning rate (mean +- std over seeds).",
+            "logit_by_rate": "Final max attention logit on the held-out batch against the learning rate "
+                             "(mean +- std over every finished seed, diverged ones included).",
+            "max_logit": "Max attention logit on the held-out batch over training.",
+            "logit_change": "Mean absolute logit change per optimizer step between diagnostics.",
+            "first_token": "First-token attention at the last diagnostics step, with the uniform-attention "
+                           "baseline, and the 0.3 sink threshold where a bar comes near it.",
+            "probes": "Attention probes of the final checkpoints (qklab probe; mean over seeds, band: lowest to "
+                      "highest seed): retrieval "
+                      "evidence contrast and mass against context length, and magnitude sensitivity.",
+            "head_max_logit": "Max logit of each head (all layers) over training, at each variant's chosen "
+                              "rate, lowest seed: median line, band from the lowest to the highest head.",
+            "head_w_norms": "The norm product ‖W_Q,h‖ ‖W_K,h‖ of each head over training (a head's logits "
+                            "scale with it), same runs: median and band over heads.",
+            "scale_sensitivity": "LR sensitivity against non-embedding parameters (mean over seeds, band: 95% "
+                                 "t-interval), one line per method; the legend gives each fit's slope per decade.",
+            "quack_factors": "QuacK's per-head learning-rate factors (W_Q and W_K of every layer) over "
+                             "training, same runs: median and band."}
+
 CURVES = ("val_curves", "max_logit", "logit_change", "head_max_logit", "head_w_norms", "quack_factors")
 
 

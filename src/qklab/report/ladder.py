@@ -8,22 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 from qklab.study.analyze import grid_edge
+from qklab.study.sensitivity import width_ladders
 from qklab.study.stats import fmt_ci, paired_difference
 
 Table = tuple[list[str], list[list[str]]]
-
-
-def _ladders(groups: list[dict[str, Any]]) -> dict[str, dict[str, dict[int, dict]]]:
-    """study -> variant -> width -> group, for the studies whose groups of one variant sit at two or more
-    widths, one grid point each (a grid over anything else beside the width is not a ladder)."""
-    out: dict[str, dict[str, dict[int, dict]]] = {}
-    for g in groups:
-        if g.get("d_model"):
-            out.setdefault(g["study"], {}).setdefault(g["variant"], {}).setdefault(int(g["d_model"]), []).append(g)
-    return {s: {v: {w: gs[0] for w, gs in by_w.items()} for v, by_w in vs.items()}
-            for s, vs in out.items()
-            if all(len(gs) == 1 for by_w in vs.values() for gs in by_w.values())
-            and max(len(by_w) for by_w in vs.values()) >= 2}
 
 
 def _rate(g: dict[str, Any]) -> str:
@@ -38,7 +26,7 @@ def gaps(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     loss} with both chosen rates, and the change of the gap from the narrowest width to the widest
     (``paired_difference``: widest minus narrowest, over the seeds both have)."""
     rows = []
-    for study, variants in sorted(_ladders(groups).items()):
+    for study, variants in sorted(width_ladders(groups).items()):
         for variant, by_w in variants.items():
             ref_name = next(iter(by_w.values())).get("reference")
             ref = variants.get(ref_name or "")

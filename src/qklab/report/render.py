@@ -4,161 +4,43 @@ PNGs. Every number of the results and claims tables links to the result.json fil
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from qklab.errors import ReportError
 from qklab.report.beside import beside_table, corpus_label
-from qklab.report.beside import intro as beside_intro
 from qklab.report.claims import VERDICT_RULE, claims_table, registered_results
-from qklab.report.figures import colours, draw, figure_data, nothing_to_show, variant_name
+from qklab.report.figures import colours, draw, figure_data, nothing_to_show
 from qklab.report.html import page
-from qklab.report.ladder import INTRO as LADDER_INTRO
 from qklab.report.ladder import ladder_table
-from qklab.report.predictions import gpu_results, predictions_lines
 from qklab.report.probes import probes_tables
-from qklab.report.scale import INTRO as SCALE_INTRO
 from qklab.report.scale import (
-    control_lines,
     draw_scale,
     method_scales,
     scale_data,
     scale_sensitivity_table,
     trends_table,
 )
+from qklab.report.sections import Report, markdown
 from qklab.report.tables import (
     Cells,
-    abs_ci,
-    cell_paths,
     claims_links,
     claims_rows,
-    collapsed_claims,
     failures_table,
     grid_table,
-    has_numbers,
-    md_table,
-    md_text,
     results_links,
     results_table,
     sensitivity_table,
     stability_table,
     stable_rates_table,
     throughput_table,
-    unstable,
 )
 from qklab.study.analyze import (
     analyze,
-    grid_edge,
     load_results,
 )
 from qklab.study.result import DIVERGENCE_RULE, OUTCOME_RULE, write_json_atomic
-from qklab.study.stats import fmt_ci
-
-
-def summary_lines(groups: list[dict], cells: Cells, limit: int = 12) -> list[str]:
-    """The opening block, per variant at its chosen rate: the report loss with its interval and its paired
-    difference to the reference; ordered by report loss, at most ``limit`` (the rest: the results table)."""
-    ranked = sorted(groups, key=lambda g: (g["chosen"] is None, g["stats"]["report_loss"]["mean"]
-                                           if g["stats"]["report_loss"]["n"] else math.inf))
-    lines = []
-    for g in ranked[:limit]:
-        name, st, ch = variant_name(g), g["stats"]["report_loss"], g["chosen"]
-        where = f" (`{g['study']}`)" if g.get("multi") else ""
-        if ch is None or not st["n"]:
-            lines.append(f"- **{md_text(name)}**{where}: no rate eligible (every rate diverged, did not learn or "
-                         "failed)")
-            continue
-        at = cells.link(cell_paths(g, ch), f"{name} ({g['study']}) at its chosen rate x{ch:g}")
-        loss = f"report loss {st['mean']:.3f}, 95% CI {abs_ci(st['ci_lo'], st['ci_hi'])}, n={st['n']}"
-        line = (f"- **{md_text(name)}**{where} at {g['chosen_lr']:.3g} (x{ch:g}{grid_edge(ch, g['sweep'])}): "
-                + (f"[{md_text(loss)}]({at})" if at else md_text(loss)))
-        d = g["paired"].get("report_loss")
-        if d and d["n"] and g.get("reference") != g["variant"]:
-            line += (f"; {d['mean']:+.3f} vs {md_text(str(g['reference']))}, 95% CI "
-                     f"{md_text(fmt_ci(d['ci_lo'], d['ci_hi']))}")
-        sw = g["sweep"].values()
-        total = {"diverged": sum(x["diverged"] for x in sw), "not_learned": sum(x.get("not_learned", 0) for x in sw)}
-        bad = ", ".join(f"{n} {what}" for what, n in unstable(total))
-        lines.append(line + (f" ({bad} over its rates)" if bad else ""))
-    if len(ranked) > limit:
-        lines.append(f"- ... and {len(ranked) - limit} more variants: the results table below")
-    return lines
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-def _sentence(s: str) -> str:
-    s = s.strip().rstrip(".")
-    return s[:1].upper() + s[1:] + "." if s else ""
-
-
-def answers(rows: list[dict], cells: Cells) -> list[str]:
-    """The opening section: one short answer per registered question (a confirmatory claim): its verdict
-    (both, when the plan was amended), interval and n, what it shows and what it does not."""
-    conf = [r for r in rows if r.get("status") == "confirmatory"]
-    if not conf:
-        return ["No claim of these results is marked confirmatory (a registered question); the claims table "
-                "lists every claim."]
-    lines = ["One answer per registered question (a confirmatory claim), by the verdict rule of the claims "
-             "table; the exploratory claims are in that table only.", ""]
-    for r in conf:
-        verdict = f"**{r['verdict']}**"
-        if r.get("amended"):
-            verdict += f" under the amended plan; **{r.get('verdict_registered') or '-'}** under the registered plan"
-        st = r["stats"]
-        holm = f", Holm p {r['p_holm']:.3g}" if math.isfinite(r.get("p_holm", math.nan)) else ""
-        if st and st.get("log_ratio"):
-            what = f"{st['a']} / {st['b']}: " if st.get("a") else "ratio "
-            num = (f"{what}{10 ** st['mean']:.3g}, 95% CI [{10 ** st['ci_lo']:.3g}, {10 ** st['ci_hi']:.3g}], "
-                   f"n={st['n']}{holm}")
-        elif st:
-            what = f"{st['a']} - {st['b']}: " if st.get("a") else "mean difference "
-            num = f"{what}{st['mean']:+.3f}, 95% CI {fmt_ci(st['ci_lo'], st['ci_hi'])}, n={st['n']}{holm}"
-        else:
-            num = f"measured: {r['measured']}" if r["measured"] != "-" else "nothing measured"
-        to = cells.link(r.get("cells") or [], f"{r['paper']}: {r['claim']}")
-        num = f"[{md_text(num)}]({to})" if to and (st or r["measured"] != "-") else md_text(num)
-        shows = r.get("shows") or f"{r['measurement']}: {r['reason']}"
-        limits = r.get("not_shows") or f"it does not show the claim beyond this measurement ({r['measurement']})"
-        ident = f" ({md_text(r['id'])})" if r.get("id") else ""
-        lines.append(f"- **{md_text(r['paper'] + ': ' + r['claim'])}**{ident}: {verdict}; {num}. "
-                     f"*Shows:* {md_text(_sentence(shows))} *Limits:* {md_text(_sentence(limits))}")
-    return lines
-
-
 
 
 def _progress(name: str, study: dict, results: list[dict]) -> str:
@@ -276,24 +158,19 @@ def claims_of(results: list[dict], studies: dict[str, dict]) -> list[dict]:
     return claims_table(groups, studies, registered_groups(results, studies))
 
 
-def write_report(dirs: list[str | Path], out: str | Path | None = None, title: str = "qklab report",
-                 warn=None, beside: list[str | Path] | None = None) -> Path:
-    """Write report.{md,html,json} and the figures to ``out`` (default: the first folder's report/). Damaged
-    files and duplicate cells are named through ``warn`` (one line each), skipped, and counted in the report.
-    ``beside``: folders of other results (another corpus, say) whose claims table is set beside this one's,
-    each read on its own (``beside.beside_table``)."""
-    problems: list[str] = []
-    results, studies = _load(dirs, problems)
-    other: tuple[list[dict], dict[str, dict]] | None = _load(beside, problems) if beside else None
-    for msg in problems:
-        (warn or (lambda m: None))(f"warning: {msg}")
+Loaded = tuple[list[dict], dict[str, dict]]  # (results, studies) of a set of folders
+
+
+def build(dirs: list[str | Path], loaded: Loaded, out: Path, title: str, problems: list[str],
+          beside: list[str | Path] | None = None, other: Loaded | None = None) -> tuple[Report, dict[str, Any]]:
+    """Everything the report's sections read, and report.json's provenance and figure data; the figures
+    drawn into ``out``. ``other``: the results and studies of the ``beside`` folders."""
+    results, studies = loaded
     analysis = analyze(results, studies)
     analysis["skipped"] = problems
     for g in analysis["groups"]:
         g["multi"] = len(studies) > 1
     analysis["git_shas"] = dict(Counter(str(r["git_sha"]) for r in results if r.get("git_sha")))
-    out = Path(out) if out else Path(dirs[0]) / "report"
-    out.mkdir(parents=True, exist_ok=True)
     groups = analysis["groups"]
     data = figure_data(analysis)
     figs = draw(data, out)
@@ -317,94 +194,43 @@ def write_report(dirs: list[str | Path], out: str | Path | None = None, title: s
         data["scale_sensitivity"] = scale_data(scale_rows)
         if fig := draw_scale(data["scale_sensitivity"], out / "scale_sensitivity.png", colours(data)):
             figs["scale_sensitivity"] = fig
-    here_label = corpus_label(results)
+    side = None
     if other is not None:  # the headers name the corpora in short; the same corpus twice: "here" and "beside"
-        there_label = corpus_label(other[0])
         short = (corpus_label(results, short=True), corpus_label(other[0], short=True))
         tables["beside"] = beside_table(claim_rows, claims_of(*other),
                                         *(short if short[0] != short[1] else ("here", "beside")))
-    header = _header(analysis, [str(d) for d in dirs], results)
-    captions = {"val_curves": "Selection-split loss over training at each variant's chosen rate (mean, band: "
-                              "min-max over seeds).",
-                "lr_sensitivity": "Final selection-split loss against the learning rate (mean +- std over seeds).",
-                "logit_by_rate": "Final max attention logit on the held-out batch against the learning rate "
-                                 "(mean +- std over every finished seed, diverged ones included).",
-                "max_logit": "Max attention logit on the held-out batch over training.",
-                "logit_change": "Mean absolute logit change per optimizer step between diagnostics.",
-                "first_token": "First-token attention at the last diagnostics step, with the uniform-attention "
-                               "baseline, and the 0.3 sink threshold where a bar comes near it.",
-                "probes": "Attention probes of the final checkpoints (qklab probe; mean over seeds, band: lowest to "
-                          "highest seed): retrieval "
-                          "evidence contrast and mass against context length, and magnitude sensitivity.",
-                "head_max_logit": "Max logit of each head (all layers) over training, at each variant's chosen "
-                                  "rate, lowest seed: median line, band from the lowest to the highest head.",
-                "head_w_norms": "The norm product ‖W_Q,h‖ ‖W_K,h‖ of each head over training (a head's logits "
-                                "scale with it), same runs: median and band over heads.",
-                "scale_sensitivity": "LR sensitivity against non-embedding parameters (mean over seeds, band: 95% "
-                                     "t-interval), one line per method; the legend gives each fit's slope per decade.",
-                "quack_factors": "QuacK's per-head learning-rate factors (W_Q and W_K of every layer) over "
-                                 "training, same runs: median and band."}
-    sections = [("Results (report split)", "results"),
-                *([("The width ladder: gap to the reference by width, each at its chosen rate", "ladder")]
-                  if "ladder" in tables else []),
-                *([("Learning-rate sensitivity across scale", "scale_sensitivity"),
-                   ("Trends across scale: slopes against log10 non-embedding parameters", "scale_trends")]
-                  if scale_rows else []),
-                *((f"The grid of {k[5:]}: selection loss (mean ± std over seeds) / max logit, by learning rate", k)
-                  for k in grids),
-                *((f"Attention probes of {k[7:]} at the chosen rates: mean ± std over seeds (difference to the "
-                   "reference, paired over seeds, 95% CI)", k) for k in probes),
-                ("Learning-rate sensitivity (selection split)", "sensitivity"),
-                ("Stability by learning rate (selection split, every seed)", "stability"),
-                ("Highest stable rate by both rules, and near the best method", "stable_rates"),
-                ("Throughput", "throughput")]
-    if tables["failures"][1]:
-        sections.append(("Failed cells", "failures"))
+        side = (corpus_label(results), corpus_label(other[0]), [str(d) for d in beside or []])
     cells = Cells(out)
-    numbered = [r for r in claim_rows if has_numbers(r)]  # the rest collapse to one line under the table
-    links = {"results": results_links(groups, cells), "claims": claims_links(numbered, cells)}
-    conf = [r for r in claim_rows if r.get("status") == "confirmatory"]
-    # the answer first: what each variant reached, the registered questions' answers; how it was made, last
-    md = [f"# {title}", "", header[0], "", "## What these results say", "", *control_lines(claim_rows),
-          *summary_lines(groups, cells), ""]
-    if conf:
-        md += ["### Registered questions", "", *answers(claim_rows, cells), ""]
-    else:
-        md += ["No question of these results was registered: every claim in the [claims table](#claims) is "
-               "exploratory or not measurable here.", ""]
-    intros = {"ladder": LADDER_INTRO, "scale_sensitivity": SCALE_INTRO}
-    for name, key in sections:
-        md += [f"## {name}", "", *([intros[key], ""] if key in intros else []), md_table(tables[key], links.get(key))]
-        if key == "results" and "val_curves" in figs:  # the loss curves right under the numbers they end at
-            md += [f"![val_curves]({figs['val_curves'].name})", "", captions["val_curves"], ""]
-    md += predictions_lines(studies, gpu_results())  # a study's predictions for larger models, checked or not
-    md += ["## Figures", ""]
-    for k, p in figs.items():
-        if k != "val_curves":
-            md += [f"![{k}]({p.name})", "", captions[k], ""]
-    md += [f"Not drawn: {k}, {why}." for k, why in empty.items()] + ([""] if empty else [])
-    md += ["## How these results were made", "", *header[1:], ""]
-    md += ['## <a id="claims"></a>Claims', "",
-           "Each claim of the papers as these results can read it, by [the verdict rule](#verdict-rule).", "",
-           md_table(claims_rows(groups, numbered), links["claims"]) if numbered else "No claim has a number here.",
-           "", *collapsed_claims([r for r in claim_rows if not has_numbers(r)]), ""]
-    if other is not None:
-        md += [f"## Beside: the same claims on {there_label}", "",
-               beside_intro(here_label, there_label, [str(d) for d in beside]), "", md_table(tables["beside"])]
-    md += ['## <a id="verdict-rule"></a>The verdict rule', "", VERDICT_RULE, ""]
-    if cells.sets:
-        md += ["## Cells behind the numbers", "", "A number of the tables above that came from several cells "
-               "links here, to the result.json of each (a number from one cell links to its file).", "",
-               *cells.section(), ""]
-    (out / "report.md").write_text("\n".join(md))
-    (out / "report.html").write_text(page("\n".join(md), title, {p.name: p for p in figs.values()}))
-    # what the report was built from, so that it can be checked against those files while a study goes on
+    report = Report(title=title, header=_header(analysis, [str(d) for d in dirs], results), groups=groups,
+                    studies=studies, tables=tables, grids=list(grids), probes=list(probes), scale=bool(scale_rows),
+                    figs=figs, empty=empty, claim_rows=claim_rows, links={}, cells=cells, beside=side)
+    report.links.update(results=results_links(groups, cells), claims=claims_links(report.numbered, cells))
     made_from = {"sources": [str(d) for d in dirs], "skipped": problems,
                  "cells": sorted(f"{r.get('study', '')}/{r['cell']}" for r in results),
-                 **({"beside": {"sources": [str(d) for d in beside],
+                 **({"beside": {"sources": [str(d) for d in beside or []],
                                 "cells": sorted(f"{r.get('study', '')}/{r['cell']}" for r in other[0])}}
                     if other is not None else {})}
-    write_json_atomic(out / "report.json", {**made_from, "verdict_rule": VERDICT_RULE, "figures": data,
-                                            "colours": colours(data),
-                                            "tables": {k: {"head": h, "rows": r} for k, (h, r) in tables.items()}})
+    return report, {**made_from, "verdict_rule": VERDICT_RULE, "figures": data, "colours": colours(data)}
+
+
+def write_report(dirs: list[str | Path], out: str | Path | None = None, title: str = "qklab report",
+                 warn=None, beside: list[str | Path] | None = None) -> Path:
+    """Write report.{md,html,json} and the figures to ``out`` (default: the first folder's report/). Damaged
+    files and duplicate cells are named through ``warn`` (one line each), skipped, and counted in the report.
+    ``beside``: folders of other results (another corpus, say) whose claims table is set beside this one's,
+    each read on its own (``beside.beside_table``)."""
+    problems: list[str] = []
+    loaded = _load(dirs, problems)
+    other = _load(beside, problems) if beside else None
+    for msg in problems:
+        (warn or (lambda m: None))(f"warning: {msg}")
+    out = Path(out) if out else Path(dirs[0]) / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    report, made_from = build(dirs, loaded, out, title, problems, beside, other)
+    md = markdown(report)
+    (out / "report.md").write_text(md)
+    (out / "report.html").write_text(page(md, title, {p.name: p for p in report.figs.values()}))
+    # what the report was built from, so that it can be checked against those files while a study goes on
+    write_json_atomic(out / "report.json", {**made_from, "tables": {k: {"head": h, "rows": r}
+                                                                    for k, (h, r) in report.tables.items()}})
     return out

@@ -2,7 +2,7 @@
 learning-rate sensitivity by size (study.sensitivity: Wortsman et al. 2023's definition, report split), and
 the trends of LR sensitivity, the tuned rate and the max attention logit at fixed multiples of the tuned rate
 against non-embedding parameters, each fit with its bootstrap interval over seeds; one figure, sensitivity
-against size, one line per method. Descriptive: the scale claims (report.scale_claims) test them."""
+against size, one line per method. Descriptive: the scale claims (study.scale_measures) test them."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from qklab.report.ladder import _ladders
-from qklab.study.sensitivity import Trend, group_sensitivity, group_size, trend, tuned_by_seed
+from qklab.study.sensitivity import Trend, group_sensitivity, group_size, trend, tuned_by_seed, width_ladders
 from qklab.study.stats import describe, fmt_ci
 
 Table = tuple[list[str], list[list[str]]]
@@ -66,7 +65,7 @@ def _limit(g: dict) -> str | None:
 def method_scales(groups: list[dict[str, Any]]) -> list[MethodScale]:
     """Every variant of every study that ran it at MIN_WIDTHS widths or more, in the study's order."""
     out = []
-    for study, variants in sorted(_ladders(groups).items()):
+    for study, variants in sorted(width_ladders(groups).items()):
         for variant, by_w in variants.items():
             widths = sorted(by_w)
             if len(widths) < MIN_WIDTHS:

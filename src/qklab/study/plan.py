@@ -36,136 +36,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from qklab.config import ConfigError
+from qklab.study.catalogue import CATALOGUE, CHOICES, SIGN_FLIP
 
-SIGN_FLIP, GRID, T_TEST = "sign-flip", "grid", "t"
-QKMAP_FAMILY, QUACK_FAMILY, SCALE_FAMILY = "QK-MAP", "QuacK", "Scale"
-
-# kind -> the parameters a claim of that kind takes, with their defaults and allowed values (None: any
-# number >= 0 / any positive int / any non-empty string, by the default's type)
-_COMMON = {"alpha": 0.05, "test": SIGN_FLIP, "family": ""}
-KINDS: dict[str, dict[str, Any]] = {
-    "loss": {**_COMMON, "rate": "tuned", "margin": 0.0, "pairing": "best"},
-    "probe": {**_COMMON, "rate": "tuned", "margin": 0.0, "context": 0},  # context: tokens (0: the training length)
-    # a positive control (report/controls.py): the task is learned at all; no test over seeds, no family
-    "control": {"threshold": 0.9, "context": 0},
-    "logits": {**_COMMON, "rate": "highest-shared-stable"},
-    "stable": {"test": GRID, "stable": "delta", "delta": 0.1, "family": ""},
-    "width": {**_COMMON, "rate": "tuned"},
-    # across a width ladder, per seed: a slope over the widths (or the rates), paired over seeds; the paired
-    # t-test is the default, since with 3 seeds the exact sign-flip test cannot go below p = 0.25
-    "scale": {**_COMMON, "test": T_TEST},
-    "elsewhere": {},
-}
-CHOICES = {"test": {"loss": [SIGN_FLIP], "probe": [SIGN_FLIP], "logits": [SIGN_FLIP], "width": [SIGN_FLIP],
-                    "stable": [GRID], "scale": [T_TEST, SIGN_FLIP]},
-           "rate": {"loss": ["tuned"], "probe": ["tuned"], "width": ["tuned"],
-                    "logits": ["highest-shared-stable", "tuned"]},
-           "pairing": {"loss": ["best", "same-tau"]},
-           "stable": {"stable": ["delta", "entropy", "near-best"]}}
-
-# id -> (paper, kind, claim, measurement); the report (report/claims.py) measures each id
-CATALOGUE: dict[str, tuple[str, str, str, str]] = {
-    # first: a positive control is read before the claims it gates (report/controls.py)
-    "control.retrieval_learned": ("control", "control", "positive control: Standard attention learns the retrieval "
-                                  "task",
-                                  "probe: retrieval accuracy of `none` at its tuned rate, mean over seeds, at the "
-                                  "registered context (default: the training length), against the threshold"),
-    "qkmap.val_vs_none": ("QK-MAP", "loss", "lower validation loss than Standard attention",
-                          "report-split loss, paired over seeds"),
-    "qkmap.val_vs_qknorm": ("QK-MAP", "loss", "lower validation loss than QK-Norm",
-                            "report-split loss, paired over seeds"),
-    "qkmap.train_vs_none": ("QK-MAP", "loss", "lower training loss than Standard attention",
-                            "mean train loss of the last 10% of steps"),
-    "qkmap.train_vs_qknorm": ("QK-MAP", "loss", "lower training loss than QK-Norm",
-                              "mean train loss of the last 10% of steps"),
-    "qkmap.first_token": ("QK-MAP", "loss", "less attention on the first token than Standard attention",
-                          "first-token attention at the last diagnostics step (held-out probe batch)"),
-    "qkmap.val_vs_quest": ("QK-MAP", "loss", "lower validation loss than QUEST (keys on the sphere, queries free)",
-                           "report-split loss, paired over seeds"),
-    "qkmap.first_token_vs_gate": ("QK-MAP", "loss", "less attention on the first token than gated attention",
-                                  "first-token attention at the last diagnostics step (held-out probe batch)"),
-    "qkmap.input_scale": ("QK-MAP", "probe", "keeps sensitivity to input scale (unlike QK-Norm)",
-                          "probe: attention JS divergence at input scale x4, QK-MAP minus QK-Norm"),
-    "qkmap.evidence": ("QK-MAP", "probe", "stronger attention contrast on relevant evidence at long context",
-                       "probe: retrieval evidence log-contrast at the registered context (default: the training "
-                       "length)"),
-    "qkmap.evidence_contrast": ("QK-MAP", "probe", "stronger attention contrast on relevant evidence at long "
-                                "context than Standard attention (the evidence against the whole context)",
-                                "probe: log-contrast of the queried value's position against every other position "
-                                "the query sees, at the registered context, QK-MAP minus `none`"),
-    "qkmap.evidence_contrast_vs_qknorm": ("QK-MAP", "probe", "stronger attention contrast on relevant evidence at "
-                                          "long context than QK-Norm (the evidence against the whole context)",
-                                          "probe: log-contrast of the queried value's position against every other "
-                                          "position the query sees, at the registered context, QK-MAP minus "
-                                          "QK-Norm"),
-    "quack.stable_mha": ("QuacK", "stable", "allows a higher base learning rate than no intervention (MHA)",
-                         "highest rate of the grid that holds, by the registered stability rule"),
-    "quack.stable_mla": ("QuacK", "stable", "allows a higher base learning rate than no intervention (MLA)",
-                         "highest rate of the grid that holds, by the registered stability rule"),
-    "quack.vs_qkclip_stable_mha": ("QuacK", "stable", "stable where QK-clip diverges at high rates (MHA)",
-                                   "highest rate of the grid that holds, by the registered stability rule"),
-    "quack.vs_qkclip_stable_mla": ("QuacK", "stable", "stable where QK-clip diverges at high rates (MLA)",
-                                   "highest rate of the grid that holds, by the registered stability rule"),
-    "quack.mla_vs_none": ("QuacK", "loss", "outperforms no intervention in the MLA setting",
-                          "report-split loss, paired over seeds"),
-    "quack.mla_vs_qknorm": ("QuacK", "loss", "outperforms QK-Normed MLA in the MLA setting",
-                            "report-split loss, paired over seeds"),
-    "quack.mla_vs_qkclip": ("QuacK", "loss", "outperforms QK-clip in the MLA setting",
-                            "report-split loss, paired over seeds"),
-    "quack.competitive_qknorm": ("QuacK", "loss",
-                                 "competitive with QK-Norm with MHA (not worse by more than the margin)",
-                                 "report-split loss, paired over seeds"),
-    "quack.speed": ("QuacK", "elsewhere", "trains faster than QK-Norm (no norms in the block)",
-                    "step time, interleaved benchmark"),
-    "quack.vs_multiplier": ("QuacK", "loss", "better than the fixed-multiplier ablation",
-                            "report-split loss, paired over seeds (pairing: each at its best, or at the same tau)"),
-    "quack.logits_mha": ("QuacK", "logits", "keeps attention logits smaller than no intervention (MHA)",
-                         "max attention logit at the end, paired ratio (rate: the highest where neither diverged, or "
-                         "each at its tuned rate)"),
-    "quack.logits_mla": ("QuacK", "logits", "keeps attention logits smaller than no intervention (MLA)",
-                         "max attention logit at the end, paired ratio (rate: the highest where neither diverged, or "
-                         "each at its tuned rate)"),
-    "quack.width_gap": ("QuacK", "width", "its advantage over no intervention grows with width (the paper's argument)",
-                        "report-loss gap none - quack at the widest minus the narrowest width, paired over seeds"),
-    # A study's own claims about how behaviour changes with scale (Wortsman et al. 2023, arXiv 2309.14322):
-    # listed in a claims table only where a study registers them. LR sensitivity of a method at a width and
-    # seed: the mean over the rate grid of min(L(eta), L0) - L*, report-split losses, L0 = ln(vocab) (the loss
-    # at initialisation), L* the best over the grid (study.sensitivity).
-    "scale.control_logit_rate": (SCALE_FAMILY, "scale", "positive control: without a QK method the max attention "
-                                 "logit grows with the learning rate",
-                                 "`none`: slope of log10 final max logit against log2 rate over each width's grid, "
-                                 "mean over widths, per seed (> 0)"),
-    "scale.control_logit_width": (SCALE_FAMILY, "scale", "positive control: without a QK method the max attention "
-                                  "logit grows with width",
-                                  "`none`: slope of log10 final max logit against log10 non-embedding parameters at "
-                                  "the highest rate every width ran, per seed (> 0)"),
-}
-
-
-def _slower(name: str, cid: str, control: bool = False) -> tuple[str, tuple[str, str, str, str]]:
-    """A catalogue entry: ``name``'s LR sensitivity grows less with width than `none`'s."""
-    text = f"{name}'s learning-rate sensitivity grows less with width than `none`'s"
-    return f"scale.{cid}_sensitivity", (SCALE_FAMILY, "scale", f"positive control: {text}" if control else text,
-                                         "slope of LR sensitivity against log10 non-embedding parameters, "
-                                         f"{name} minus `none`, paired over seeds (< 0)")
-
-
-CATALOGUE.update(dict([_slower("QK-Norm", "qknorm", control=True), _slower("QK-MAP", "qkmap"),
-                       _slower("QuacK", "quack"), _slower("QUEST", "quest")]))
-OWN_PAPERS = {SCALE_FAMILY}  # claims a claims table lists only where a study registers them
-CLAIM_DEFAULTS = {"quack.competitive_qknorm": {"margin": 0.05}, "quack.vs_multiplier": {"pairing": "same-tau"}}
 TABLE_KEYS = {"alpha", "test", "delta", "stable", "rate"}  # [claims] scalars: defaults for the claims below
-# claims a claims table lists only where a study registers them (studies/evidence_mqar.toml)
-OWN_CLAIMS = {"qkmap.evidence_contrast", "qkmap.evidence_contrast_vs_qknorm", "control.retrieval_learned"}
-
-
-def defaults(cid: str) -> dict[str, Any]:
-    """Every parameter of claim ``cid`` at the catalogue's values (its paper as the family)."""
-    paper, kind, _, _ = CATALOGUE[cid]
-    out = {**KINDS[kind], **CLAIM_DEFAULTS.get(cid, {})}
-    if "family" in out:
-        out["family"] = paper
-    return out
 
 
 def _check(cid: str, key: str, value: Any, kind: str, default: Any) -> Any:
@@ -206,8 +79,8 @@ def parse_plan(raw: Any) -> dict[str, dict[str, Any]] | None:
             continue
         if cid not in CATALOGUE:
             raise ConfigError(f"[claims.\"{cid}\"]: no such claim; claims: {', '.join(CATALOGUE)}")
-        kind = CATALOGUE[cid][1]
-        params = defaults(cid)
+        kind = CATALOGUE[cid].kind
+        params = CATALOGUE[cid].params()
         unknown = set(own) - set(params)
         if unknown:
             raise ConfigError(f"[claims.\"{cid}\"]: unknown key(s) {', '.join(sorted(unknown))}; a {kind} claim takes "
@@ -228,8 +101,8 @@ def plan_hash(plan: dict[str, dict[str, Any]] | None) -> str | None:
 
 def describe_plan(plan: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The plan as written into study.json: each claim's parameters with its paper, text and measurement."""
-    return {cid: {"paper": CATALOGUE[cid][0], "claim": CATALOGUE[cid][2], "measurement": CATALOGUE[cid][3], **p}
-            for cid, p in plan.items()}
+    return {cid: {"paper": CATALOGUE[cid].paper, "claim": CATALOGUE[cid].text,
+                  "measurement": CATALOGUE[cid].measurement, **p} for cid, p in plan.items()}
 
 
 def _now() -> str:

@@ -33,6 +33,7 @@ from typing import Any
 
 from qklab.atomic import atomic_write_text
 from qklab.diagnostics.stability import stability_summary
+from qklab.methods import HEAD_SERIES
 
 SCHEMA = 1
 CURVE_POINTS = 64
@@ -174,11 +175,12 @@ def head_series(records: list[dict]) -> dict[str, Any]:
     diags = downsample([r for r in records if "diag" in r], SERIES_POINTS)
     out: dict[str, Any] = {"diag": {"step": [r["step"] for r in diags],
                                     **{k: [r["diag"].get(k) for r in diags] for k in SERIES_KEYS}}}
-    ctrl = downsample([r for r in records if any(k.startswith("quack_") and isinstance(v, list)
-                                                 for k, v in r.items())], SERIES_POINTS)
-    if ctrl:
-        keys = sorted(k for k, v in ctrl[-1].items() if k.startswith("quack_") and isinstance(v, list))
-        out["quack"] = {"step": [r["step"] for r in ctrl], **{k: [r.get(k) for r in ctrl] for k in keys}}
+    for prefix, name in HEAD_SERIES.items():  # a controller's per-head factors (QKController.head_series_prefix)
+        ctrl = downsample([r for r in records if any(k.startswith(prefix) and isinstance(v, list)
+                                                     for k, v in r.items())], SERIES_POINTS)
+        if ctrl:
+            keys = sorted(k for k, v in ctrl[-1].items() if k.startswith(prefix) and isinstance(v, list))
+            out[name] = {"step": [r["step"] for r in ctrl], **{k: [r.get(k) for r in ctrl] for k in keys}}
     return out
 
 
@@ -208,8 +210,9 @@ def build_result(header: dict[str, Any], run_dir: Path, records: list[dict], uni
     tail = losses[-max(1, len(losses) // 10):]
     last_diag = diags[-1]["diag"] if diags else {}
     heads = {k: last_diag[k] for k in HEAD_KEYS if k in last_diag}
-    ctrl = next((r for r in reversed(records) if any(k.startswith("quack_") for k in r)), {})
-    heads.update({k: v for k, v in ctrl.items() if k.startswith("quack_") and isinstance(v, list)})
+    prefixes = tuple(HEAD_SERIES)
+    ctrl = next((r for r in reversed(records) if any(k.startswith(prefixes) for k in r)), {}) if prefixes else {}
+    heads.update({k: v for k, v in ctrl.items() if k.startswith(prefixes) and isinstance(v, list)})
     tps = [num(r["tokens_per_s"]) for r in records if "tokens_per_s" in r]
     steady = tps[len(tps) // 5:] or tps
     m, q = info["model"], info["qk"]

@@ -22,10 +22,24 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from qklab.study.result import load_result, num
+
+
+def width_ladders(groups: list[dict[str, Any]]) -> dict[str, dict[str, dict[int, dict]]]:
+    """study -> variant -> width -> group, for the studies whose groups of one variant sit at two or more
+    widths, one grid point each (a grid over anything else beside the width is not a ladder)."""
+    out: dict[str, dict[str, dict[int, dict]]] = {}
+    for g in groups:
+        if g.get("d_model"):
+            out.setdefault(g["study"], {}).setdefault(g["variant"], {}).setdefault(int(g["d_model"]), []).append(g)
+    return {s: {v: {w: gs[0] for w, gs in by_w.items()} for v, by_w in vs.items()}
+            for s, vs in out.items()
+            if all(len(gs) == 1 for by_w in vs.values() for gs in by_w.values())
+            and max(len(by_w) for by_w in vs.values()) >= 2}
 
 
 def lr_sensitivity(losses: Sequence[float], l0: float) -> float:

@@ -1,17 +1,15 @@
-"""The scale claims (study.plan's "scale" kind): per seed, a slope across a study's width ladder, tested over
-seeds. Each measure returns what claims.MEASURE's tests return: (old-rule verdict, measured, reason,
-statistics, the result files read)."""
+"""The scale claims (the catalogue's "scale" kind): per seed, a slope across a study's width ladder, tested
+over seeds; each measure returns a ``measures.Measured``."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
-from qklab.report.ladder import _ladders
-from qklab.study.sensitivity import group_sensitivity, group_size, slope
+from qklab.study.measures import Measured, interval_rule, not_measurable
+from qklab.study.sensitivity import group_sensitivity, group_size, slope, width_ladders
 from qklab.study.stats import difference_stats, fmt_ci
 
 REFERENCE = "none"  # the method every scale claim is read against (a variant whose method and controller are none)
@@ -24,7 +22,7 @@ def _plain(g: dict, method: str, controller: str = "none") -> bool:
 def _ladder(groups: list[dict], method: str, controller: str = "none") -> tuple[str | None, dict[int, dict]]:
     """(study, width -> group) of the method's widest ladder (the most widths; ties: the most seeds)."""
     best: tuple[tuple, str | None, dict] = ((0, 0), None, {})
-    for study, variants in _ladders(groups).items():
+    for study, variants in width_ladders(groups).items():
         for by_w in variants.values():
             g0 = next(iter(by_w.values()))
             if not _plain(g0, method, controller):
@@ -35,17 +33,17 @@ def _ladder(groups: list[dict], method: str, controller: str = "none") -> tuple[
     return best[1], best[2]
 
 
-def _files(*ladders: dict[int, dict]) -> list[str]:
-    return [c["path"] for by_w in ladders for g in by_w.values() for cs in g.get("cells", {}).values()
-            for c in cs if c.get("path")]
+def _files(*ladders: dict[int, dict]) -> tuple[str, ...]:
+    return tuple(c["path"] for by_w in ladders for g in by_w.values() for cs in g.get("cells", {}).values()
+                 for c in cs if c.get("path"))
 
 
-def _verdict(values: dict[int, float], sign: int, what: str, margin: float = 0.0) -> tuple:
-    """Claim sign * mean(values) > 0 over seeds: (old-rule verdict, measured, reason, statistics), the
-    statistics those of the claimed-below-zero form (values * -sign), as claims._verdict_less keeps them."""
+def _verdict(values: dict[int, float], sign: int, what: str, cells: tuple[str, ...], margin: float = 0.0) -> Measured:
+    """Claim sign * mean(values) > 0 over seeds, by the interval rule; the statistics those of the
+    claimed-below-zero form (values * -sign), as every paired measure keeps them."""
     d = difference_stats([-sign * v for v in values.values()])
     if d["n"] == 0:
-        return "not measurable", "-", f"no seed has {what} at every width and rate", None
+        return not_measurable(f"no seed has {what} at every width and rate", cells)
     shown = difference_stats(list(values.values()))
     meas = (f"{what}: {shown['mean']:+.3g}, 95% CI {fmt_ci(shown['ci_lo'], shown['ci_hi'], 3)}, n={shown['n']}"
             + (f", p (t) {shown['p']:.3g}" if math.isfinite(shown["p"]) else "")
@@ -53,23 +51,17 @@ def _verdict(values: dict[int, float], sign: int, what: str, margin: float = 0.0
     st = {k: d[k] for k in ("n", "df", "mean", "ci_lo", "ci_hi", "boot_lo", "boot_hi", "effect", "p", "p_flip")}
     st |= {"a": "0", "b": what} if sign > 0 else {"a": what, "b": "0"}  # st is of a - b, claimed below zero
     st["margin"] = margin
-    if d["n"] < 2:
-        return "inconclusive", meas, "one seed: no interval", st
-    side = "above" if sign > 0 else "below"
-    if d["ci_hi"] < margin:
-        return "agree", meas, f"the whole interval is {side} 0", st
-    if d["ci_lo"] > margin:
-        return "disagree", meas, f"the whole interval is {'below' if sign > 0 else 'above'} 0", st
-    return "inconclusive", meas, "the interval contains 0", st
+    verdict, reason = interval_rule(d, margin, *(("above", "below") if sign > 0 else ("below", "above")))
+    return Measured(verdict, meas, reason, st, cells)
 
 
 def logit_by_rate() -> Callable:
     """Positive control (a): `none`'s max logit grows with the rate: per seed, the slope of log10 max logit
     against log2 rate over each width's grid, averaged over the widths."""
-    def test(groups: list[dict], p: dict) -> tuple:
+    def test(groups: list[dict], p: dict) -> Measured:
         study, by_w = _ladder(groups, REFERENCE)
         if len(by_w) < 2:
-            return "not measurable", "-", "needs `none` at two or more widths in one study", None, []
+            return not_measurable("needs `none` at two or more widths in one study")
         per_seed: dict[int, list[float]] = {}
         for g in by_w.values():
             rates = sorted(g["sweep"])
@@ -80,19 +72,19 @@ def logit_by_rate() -> Callable:
                 per_seed.setdefault(s, []).append(slope(xs, [math.log10(y) if y > 0 else math.nan for y in ys]))
         values = {s: float(np.mean(v)) for s, v in per_seed.items() if len(v) == len(by_w)
                   and all(math.isfinite(x) for x in v)}
-        return (*_verdict(values, +1, "slope of log10 max logit per doubling of the rate"), _files(by_w))
+        return _verdict(values, +1, "slope of log10 max logit per doubling of the rate", _files(by_w))
     return test
 
 
 def logit_by_width() -> Callable:
     """Positive control (a): `none`'s max logit grows with width, at the highest rate every width ran."""
-    def test(groups: list[dict], p: dict) -> tuple:
+    def test(groups: list[dict], p: dict) -> Measured:
         study, by_w = _ladder(groups, REFERENCE)
         if len(by_w) < 2:
-            return "not measurable", "-", "needs `none` at two or more widths in one study", None, []
+            return not_measurable("needs `none` at two or more widths in one study")
         shared = set.intersection(*({round(s["lr"], 12) for s in g["sweep"].values()} for g in by_w.values()))
         if not shared:
-            return "not measurable", "-", "no rate that every width ran", None, []
+            return not_measurable("no rate that every width ran")
         lr = max(shared)
         at = {w: next(s for s in g["sweep"].values() if round(s["lr"], 12) == lr)["max_logit_by_seed"]
               for w, g in by_w.items()}
@@ -101,21 +93,21 @@ def logit_by_width() -> Callable:
         values = {s: slope(xs, [math.log10(at[w][s]) if at[w][s] > 0 else math.nan for w in sorted(by_w)])
                   for s in seeds}
         values = {s: v for s, v in values.items() if math.isfinite(v)}
-        return (*_verdict(values, +1, f"slope of log10 max logit per decade of parameters at rate {lr:.3g}"),
-                _files(by_w))
+        return _verdict(values, +1, f"slope of log10 max logit per decade of parameters at rate {lr:.3g}",
+                        _files(by_w))
     return test
 
 
 def sensitivity_slope(method: str, controller: str = "none") -> Callable:
     """The method's LR sensitivity grows less with size than `none`'s: per seed, its slope against log10
     non-embedding parameters minus `none`'s, below zero."""
-    def test(groups: list[dict], p: dict) -> tuple:
+    def test(groups: list[dict], p: dict) -> Measured:
         name = controller if controller != "none" else method
         _, ref = _ladder(groups, REFERENCE)
         _, own = _ladder(groups, method, controller)
         widths = sorted(ref.keys() & own.keys())
         if len(widths) < 2:
-            return "not measurable", "-", f"needs `none` and {name} at two or more widths in one study", None, []
+            return not_measurable(f"needs `none` and {name} at two or more widths in one study")
 
         def slopes(by_w: dict[int, dict]) -> dict[int, float]:  # each method against its own sizes
             xs = [math.log10(group_size(by_w[w])) for w in widths]
@@ -125,16 +117,6 @@ def sensitivity_slope(method: str, controller: str = "none") -> Callable:
 
         a, b = slopes(own), slopes(ref)
         values = {s: a[s] - b[s] for s in a.keys() & b.keys() if math.isfinite(a[s] - b[s])}
-        out = _verdict(values, -1, f"sensitivity slope, {name} - none (nats per decade)")
-        return (*out, _files(ref, own))
+        return _verdict(values, -1, f"sensitivity slope, {name} - none (nats per decade)", _files(ref, own))
     return test
 
-
-MEASURES: dict[str, Callable[[list[dict], dict[str, Any]], tuple]] = {
-    "scale.control_logit_rate": logit_by_rate(),
-    "scale.control_logit_width": logit_by_width(),
-    "scale.qknorm_sensitivity": sensitivity_slope("qknorm"),
-    "scale.qkmap_sensitivity": sensitivity_slope("qkmap"),
-    "scale.quack_sensitivity": sensitivity_slope("none", "quack"),
-    "scale.quest_sensitivity": sensitivity_slope("quest"),
-}

@@ -1,0 +1,233 @@
+"""The claim catalogue: every claim a study can register, each declared once, with its measurement beside it.
+
+A claim has an id (``paper.what``), the family its p-value is corrected within by default (its paper's), a
+kind (which parameters it takes, ``KINDS``), its text, what is measured, in words, and the measure that
+reads it from a study's groups (``study.measures``, ``study.scale_measures``). ``study.plan`` registers
+claims from it; ``report.claims`` gives each its verdict. Adding a claim is one entry here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from qklab.study.measures import (
+    Measure,
+    accuracy_control,
+    elsewhere,
+    less,
+    logits_at_same_rate,
+    probe_claim,
+    stable_rate,
+    width_gap,
+)
+from qklab.study.scale_measures import logit_by_rate, logit_by_width, sensitivity_slope
+
+SIGN_FLIP, GRID, T_TEST = "sign-flip", "grid", "t"
+QKMAP_FAMILY, QUACK_FAMILY, SCALE_FAMILY, CONTROL = "QK-MAP", "QuacK", "Scale", "control"
+
+# kind -> the parameters a claim of that kind takes, with their defaults and allowed values (None: any
+# number >= 0 / any positive int / any non-empty string, by the default's type)
+_COMMON = {"alpha": 0.05, "test": SIGN_FLIP, "family": ""}
+KINDS: dict[str, dict[str, Any]] = {
+    "loss": {**_COMMON, "rate": "tuned", "margin": 0.0, "pairing": "best"},
+    "probe": {**_COMMON, "rate": "tuned", "margin": 0.0, "context": 0},  # context: tokens (0: the training length)
+    # a positive control (report/controls.py): the task is learned at all; no test over seeds, no family
+    "control": {"threshold": 0.9, "context": 0},
+    "logits": {**_COMMON, "rate": "highest-shared-stable"},
+    "stable": {"test": GRID, "stable": "delta", "delta": 0.1, "family": ""},
+    "width": {**_COMMON, "rate": "tuned"},
+    # across a width ladder, per seed: a slope over the widths (or the rates), paired over seeds; the paired
+    # t-test is the default, since with 3 seeds the exact sign-flip test cannot go below p = 0.25
+    "scale": {**_COMMON, "test": T_TEST},
+    "elsewhere": {},
+}
+CHOICES = {"test": {"loss": [SIGN_FLIP], "probe": [SIGN_FLIP], "logits": [SIGN_FLIP], "width": [SIGN_FLIP],
+                    "stable": [GRID], "scale": [T_TEST, SIGN_FLIP]},
+           "rate": {"loss": ["tuned"], "probe": ["tuned"], "width": ["tuned"],
+                    "logits": ["highest-shared-stable", "tuned"]},
+           "pairing": {"loss": ["best", "same-tau"]},
+           "stable": {"stable": ["delta", "entropy", "near-best"]}}
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One claim of the catalogue. ``defaults``: parameters of this claim beyond its kind's; ``own``: a
+    study's own claim, listed in a claims table only where a study registers it; ``table_text``: its text
+    in a claims table, formatted with its parameters (``text`` is what a registration records)."""
+
+    id: str
+    paper: str
+    kind: str
+    text: str
+    measurement: str
+    measure: Measure
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    own: bool = False
+    table_text: str = ""
+
+    def params(self) -> dict[str, Any]:
+        """Every parameter at the catalogue's values, its paper as the family."""
+        out = {**KINDS[self.kind], **self.defaults}
+        if "family" in out:
+            out["family"] = self.paper
+        return out
+
+    def text_for(self, params: Mapping[str, Any]) -> str:
+        return self.table_text.format(**params) if self.table_text else self.text
+
+
+# (attention, method, controller) of the variants the claims compare
+MHA, MLA = "mha", "mla"
+QKMAP, STD, QKN = (MHA, "qkmap", "none"), (MHA, "none", "none"), (MHA, "qknorm", "none")
+QUACK, MLA_QUACK, MLA_STD = (MHA, "none", "quack"), (MLA, "none", "quack"), (MLA, "none", "none")
+
+# In table order; a positive control first: it is read before the claims it gates (report/controls.py).
+# The scale claims are a study's own about how behaviour changes with scale (Wortsman et al. 2023, arXiv
+# 2309.14322). LR sensitivity of a method at a width and seed: the mean over the rate grid of
+# min(L(eta), L0) - L*, report-split losses, L0 = ln(vocab) (the loss at initialisation), L* the best over
+# the grid (study.sensitivity).
+_CLAIMS = [
+    Claim("control.retrieval_learned", CONTROL, "control",
+          "positive control: Standard attention learns the retrieval task",
+          "probe: retrieval accuracy of `none` at its tuned rate, mean over seeds, at the registered context "
+          "(default: the training length), against the threshold",
+          accuracy_control(STD), own=True),
+    Claim("qkmap.val_vs_none", QKMAP_FAMILY, "loss",
+          "lower validation loss than Standard attention",
+          "report-split loss, paired over seeds",
+          less(QKMAP, STD, "report_loss", "report loss")),
+    Claim("qkmap.val_vs_qknorm", QKMAP_FAMILY, "loss",
+          "lower validation loss than QK-Norm",
+          "report-split loss, paired over seeds",
+          less(QKMAP, QKN, "report_loss", "report loss")),
+    Claim("qkmap.train_vs_none", QKMAP_FAMILY, "loss",
+          "lower training loss than Standard attention",
+          "mean train loss of the last 10% of steps",
+          less(QKMAP, STD, "train_loss", "train loss")),
+    Claim("qkmap.train_vs_qknorm", QKMAP_FAMILY, "loss",
+          "lower training loss than QK-Norm",
+          "mean train loss of the last 10% of steps",
+          less(QKMAP, QKN, "train_loss", "train loss")),
+    Claim("qkmap.first_token", QKMAP_FAMILY, "loss",
+          "less attention on the first token than Standard attention",
+          "first-token attention at the last diagnostics step (held-out probe batch)",
+          less(QKMAP, STD, "first_token", "first-token attention")),
+    Claim("qkmap.val_vs_quest", QKMAP_FAMILY, "loss",
+          "lower validation loss than QUEST (keys on the sphere, queries free)",
+          "report-split loss, paired over seeds",
+          less(QKMAP, (MHA, "quest", "none"), "report_loss", "report loss")),
+    Claim("qkmap.first_token_vs_gate", QKMAP_FAMILY, "loss",
+          "less attention on the first token than gated attention",
+          "first-token attention at the last diagnostics step (held-out probe batch)",
+          less(QKMAP, (MHA, "none+gate-head", "none"), "first_token", "first-token attention")),
+    Claim("qkmap.input_scale", QKMAP_FAMILY, "probe",
+          "keeps sensitivity to input scale (unlike QK-Norm)",
+          "probe: attention JS divergence at input scale x4, QK-MAP minus QK-Norm",
+          probe_claim("magnitude_js_a4", QKMAP, QKN, higher=True)),
+    Claim("qkmap.evidence", QKMAP_FAMILY, "probe",
+          "stronger attention contrast on relevant evidence at long context",
+          "probe: retrieval evidence log-contrast at the registered context (default: the training length)",
+          probe_claim("log_contrast", QKMAP, STD, higher=True)),
+    Claim("qkmap.evidence_contrast", QKMAP_FAMILY, "probe",
+          "stronger attention contrast on relevant evidence at long context than Standard attention (the "
+          "evidence against the whole context)",
+          "probe: log-contrast of the queried value's position against every other position the query sees, "
+          "at the registered context, QK-MAP minus `none`",
+          probe_claim("contrast", QKMAP, STD, higher=True), own=True),
+    Claim("qkmap.evidence_contrast_vs_qknorm", QKMAP_FAMILY, "probe",
+          "stronger attention contrast on relevant evidence at long context than QK-Norm (the evidence "
+          "against the whole context)",
+          "probe: log-contrast of the queried value's position against every other position the query sees, "
+          "at the registered context, QK-MAP minus QK-Norm",
+          probe_claim("contrast", QKMAP, QKN, higher=True), own=True),
+    Claim("quack.stable_mha", QUACK_FAMILY, "stable",
+          "allows a higher base learning rate than no intervention (MHA)",
+          "highest rate of the grid that holds, by the registered stability rule",
+          stable_rate(QUACK, STD)),
+    Claim("quack.stable_mla", QUACK_FAMILY, "stable",
+          "allows a higher base learning rate than no intervention (MLA)",
+          "highest rate of the grid that holds, by the registered stability rule",
+          stable_rate(MLA_QUACK, MLA_STD)),
+    Claim("quack.vs_qkclip_stable_mha", QUACK_FAMILY, "stable",
+          "stable where QK-clip diverges at high rates (MHA)",
+          "highest rate of the grid that holds, by the registered stability rule",
+          stable_rate(QUACK, (MHA, "none", "qkclip"))),
+    Claim("quack.vs_qkclip_stable_mla", QUACK_FAMILY, "stable",
+          "stable where QK-clip diverges at high rates (MLA)",
+          "highest rate of the grid that holds, by the registered stability rule",
+          stable_rate(MLA_QUACK, (MLA, "none", "qkclip"))),
+    Claim("quack.mla_vs_none", QUACK_FAMILY, "loss",
+          "outperforms no intervention in the MLA setting",
+          "report-split loss, paired over seeds",
+          less(MLA_QUACK, MLA_STD, "report_loss", "report loss")),
+    Claim("quack.mla_vs_qknorm", QUACK_FAMILY, "loss",
+          "outperforms QK-Normed MLA in the MLA setting",
+          "report-split loss, paired over seeds",
+          less(MLA_QUACK, (MLA, "qknorm", "none"), "report_loss", "report loss")),
+    Claim("quack.mla_vs_qkclip", QUACK_FAMILY, "loss",
+          "outperforms QK-clip in the MLA setting",
+          "report-split loss, paired over seeds",
+          less(MLA_QUACK, (MLA, "none", "qkclip"), "report_loss", "report loss")),
+    Claim("quack.competitive_qknorm", QUACK_FAMILY, "loss",
+          "competitive with QK-Norm with MHA (not worse by more than the margin)",
+          "report-split loss, paired over seeds",
+          less(QUACK, QKN, "report_loss", "report loss"), defaults={"margin": 0.05},
+          table_text="competitive with QK-Norm with MHA (not worse by more than {margin:g} nats)"),
+    Claim("quack.speed", QUACK_FAMILY, "elsewhere",
+          "trains faster than QK-Norm (no norms in the block)",
+          "step time, interleaved benchmark",
+          elsewhere("study cells share the machine, so the CPU time of the same work varies by up to 30% \" "
+                    "\"between cells; benchmarks/step_time.py measures it (README, Benchmarks)")),
+    Claim("quack.vs_multiplier", QUACK_FAMILY, "loss",
+          "better than the fixed-multiplier ablation",
+          "report-split loss, paired over seeds (pairing: each at its best, or at the same tau)",
+          less(QUACK, (MHA, "none", "qk_lr_multiplier"), "report_loss", "report loss"),
+          defaults={"pairing": "same-tau"}),
+    Claim("quack.logits_mha", QUACK_FAMILY, "logits",
+          "keeps attention logits smaller than no intervention (MHA)",
+          "max attention logit at the end, paired ratio (rate: the highest where neither diverged, or each at"
+          " its tuned rate)",
+          logits_at_same_rate(QUACK, STD)),
+    Claim("quack.logits_mla", QUACK_FAMILY, "logits",
+          "keeps attention logits smaller than no intervention (MLA)",
+          "max attention logit at the end, paired ratio (rate: the highest where neither diverged, or each at"
+          " its tuned rate)",
+          logits_at_same_rate(MLA_QUACK, MLA_STD)),
+    Claim("quack.width_gap", QUACK_FAMILY, "width",
+          "its advantage over no intervention grows with width (the paper's argument)",
+          "report-loss gap none - quack at the widest minus the narrowest width, paired over seeds",
+          width_gap(QUACK, STD)),
+    Claim("scale.control_logit_rate", SCALE_FAMILY, "scale",
+          "positive control: without a QK method the max attention logit grows with the learning rate",
+          "`none`: slope of log10 final max logit against log2 rate over each width's grid, mean over widths,"
+          " per seed (> 0)",
+          logit_by_rate(), own=True),
+    Claim("scale.control_logit_width", SCALE_FAMILY, "scale",
+          "positive control: without a QK method the max attention logit grows with width",
+          "`none`: slope of log10 final max logit against log10 non-embedding parameters at the highest rate "
+          "every width ran, per seed (> 0)",
+          logit_by_width(), own=True),
+    Claim("scale.qknorm_sensitivity", SCALE_FAMILY, "scale",
+          "positive control: QK-Norm's learning-rate sensitivity grows less with width than `none`'s",
+          "slope of LR sensitivity against log10 non-embedding parameters, QK-Norm minus `none`, paired over "
+          "seeds (< 0)",
+          sensitivity_slope("qknorm"), own=True),
+    Claim("scale.qkmap_sensitivity", SCALE_FAMILY, "scale",
+          "QK-MAP's learning-rate sensitivity grows less with width than `none`'s",
+          "slope of LR sensitivity against log10 non-embedding parameters, QK-MAP minus `none`, paired over "
+          "seeds (< 0)",
+          sensitivity_slope("qkmap"), own=True),
+    Claim("scale.quack_sensitivity", SCALE_FAMILY, "scale",
+          "QuacK's learning-rate sensitivity grows less with width than `none`'s",
+          "slope of LR sensitivity against log10 non-embedding parameters, QuacK minus `none`, paired over "
+          "seeds (< 0)",
+          sensitivity_slope("none", "quack"), own=True),
+    Claim("scale.quest_sensitivity", SCALE_FAMILY, "scale",
+          "QUEST's learning-rate sensitivity grows less with width than `none`'s",
+          "slope of LR sensitivity against log10 non-embedding parameters, QUEST minus `none`, paired over "
+          "seeds (< 0)",
+          sensitivity_slope("quest"), own=True),
+]
+CATALOGUE: dict[str, Claim] = {c.id: c for c in _CLAIMS}
