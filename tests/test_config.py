@@ -36,7 +36,7 @@ def test_int_accepted_for_float():
         ("model.n_kv_heads=3", "must divide model.n_heads=4"),
         ("qk.method=qkfoo", "qk.method='qkfoo' is unknown"),
         ("qk.controller=bar", "qk.controller='bar' is unknown"),
-        ("qk.softcap.cap=-1", "cap must be > 0"),
+        ("qk.softcap.cap=-1", "qk.softcap.cap=-1.0 is out of range: it must be > 0"),
         ("qk.softcap.kap=1", "unknown key 'qk.softcap.kap'"),
         ("data.source=/no/such/dir/*.txt", "data.source"),
         ("train.optimizer=sgd", "train.optimizer='sgd'"),

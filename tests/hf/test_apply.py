@@ -198,7 +198,8 @@ def test_apply_refuses_bad_input():
         apply(model, "softcap", capp=3)
     with pytest.raises(ConfigError, match="head_dim"):
         apply(copy.deepcopy(model), "qkmap", proj_dim=3)
-    with pytest.raises(ConfigError, match="qk.qkmap: n_freqs must be >= 1"):  # the option's own check, one line
+    # the option's own check, one line
+    with pytest.raises(ConfigError, match="qk.qkmap.n_freqs=0 is out of range: it must be >= 1"):
         apply(copy.deepcopy(model), "qkmap", n_freqs=0)
 
 

@@ -26,7 +26,7 @@ def test_gain_init_sets_the_logit_bound(g0):
 
 
 def test_gain_init_must_be_positive():
-    with pytest.raises(ConfigError, match="gain_init must be > 0"):
+    with pytest.raises(ConfigError, match="qk.qknorm.gain_init=0.0 is out of range: it must be > 0"):
         load_config("tiny", ["qk.method=qknorm", "qk.qknorm.gain_init=0"])
 
 

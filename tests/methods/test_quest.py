@@ -165,8 +165,10 @@ def test_quest_qkclip_clips_the_head_scale_exactly_or_is_refused():
     torch.testing.assert_close(after, before * g.view(1, H, 1, 1), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("sets, needle", [(["qk.method=quest", "qk.quest.eps=0"], "qk.quest.eps must be > 0"),
-                                          (["qk.method=ssmax", "qk.ssmax.ref_len=1"], "ref_len must be >= 2")])
+@pytest.mark.parametrize("sets, needle", [
+    (["qk.method=quest", "qk.quest.eps=0"], "qk.quest.eps=0.0 is out of range: it must be > 0"),
+    (["qk.method=ssmax", "qk.ssmax.ref_len=1"], "qk.ssmax.ref_len=1 is out of range: it must be >= 2"),
+])
 def test_bad_options_are_one_line(sets, needle):
     with pytest.raises(ConfigError, match=needle) as e:
         load_config("tiny", sets)

@@ -195,7 +195,7 @@ def test_widths_and_init_follow_the_method():
 @pytest.mark.parametrize("kwargs, says", [
     (dict(method="qknrom"), "unknown QK method 'qknrom'; choose one of"),
     (dict(method="qkclip"), "'qkclip' is an optimizer-side controller: qklab.attach"),
-    (dict(method="softcap", cap=-1.0), "qk.softcap.cap must be > 0"),
+    (dict(method="softcap", cap=-1.0), "qk.softcap.cap=-1.0 is out of range: it must be > 0"),
     (dict(method="qkmap", head_dim=5), "head_dim=5 divisible by 2\\*n_freqs=2"),
     (dict(method="none", n_kv_heads=3), "n_kv_heads dividing n_heads"),
     (dict(method="none", rope=(COS[:, :5], SIN[:, :5])), "columns, q/k features 16"),

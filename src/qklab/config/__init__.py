@@ -5,10 +5,12 @@ missing data) raises ``ConfigError`` with one line that names the key and says h
 
 What is known about a key sits on its field: a ``typing.Literal`` type lists its choices, and the
 field's metadata its meaning, its valid range, whether it is neutral (does not change what a run
-computes: a study's cell hash leaves it out) and whether it is resumable (may change on resume).
+computes: a study's cell hash leaves it out) and whether it is resumable (may change on resume). One
+check reads ranges and choices, for these sections and each method's options alike
+(``qklab.methods.options``, which the methods' ``Options`` share: methods/ never imports the config).
 
     sections.py  the model, qk and train sections, their fields' metadata, ``from_dict``
-    checks.py    ranges and choices, rules across keys (``check_model``), run names
+    checks.py    rules across keys (``check_model``, Group Muon's heads), run names
     run.py       ``RunConfig``, ``NEUTRAL`` and ``RESUMABLE``, what a resumed run may change
     load.py      presets and ``--set`` items -> a validated ``RunConfig`` (``load_config``)
     dotted.py    dotted keys: key=value items (``parse_set``), set in a nested dict, ``flatten``

@@ -1,17 +1,16 @@
-"""The rules a run config must meet beyond each key's type: ranges and choices, rules across keys (a
-model's shape with its QK method, Group Muon's heads), run names. Each broken rule is one ``ConfigError``
-line that names the key and says how to fix it."""
+"""The rules a run config must meet beyond each key's type and range: rules across keys (a model's shape
+with its QK method, Group Muon's heads) and run names. Each broken rule is one ``ConfigError`` line that
+names the key and says how to fix it; each field's own range and choices are ``check_fields``'s
+(``qklab.methods.options``)."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
-import typing
-from typing import Any, Literal
 
-from qklab.config.sections import ModelConfig, QKConfig, ensure, field_types
+from qklab.config.sections import ModelConfig, QKConfig, ensure
 from qklab.errors import ConfigError
 from qklab.methods import CONTROLLERS, METHODS, AttnShape
+from qklab.methods.options import check_fields
 
 
 def check_model(m: ModelConfig, q: QKConfig) -> None:
@@ -64,20 +63,6 @@ def check_head_groups(groups: int, n_heads: int, n_kv_heads: int) -> None:
            f"train.muon_head_groups={groups} does not divide model.n_heads={n_heads}; pick a divisor")
     ensure(n_kv_heads % min(groups, n_kv_heads) == 0,
            f"train.muon_head_groups={groups} does not split the {n_kv_heads} KV heads evenly; pick a divisor of both")
-
-
-def check_fields(section: str, obj: Any) -> None:
-    """Each field's range (its metadata) and choices (its Literal type): ``model.d_model=0 is out of range:
-    it must be > 0``, ``train.optimizer='sgd': use adamw or muon``."""
-    hints = field_types(type(obj))
-    for f in dataclasses.fields(obj):
-        value, key = getattr(obj, f.name), f"{section}.{f.name}"
-        if "range" in f.metadata:
-            ok, want = f.metadata["range"]
-            ensure(ok(value), f"{key}={value!r} is out of range: it must be {want}")
-        if typing.get_origin(hints[f.name]) is Literal:
-            *rest, last = choices = typing.get_args(hints[f.name])
-            ensure(value in choices, f"{key}={value!r}: use {', '.join(rest)} or {last}")
 
 
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]{0,127}")

@@ -15,9 +15,10 @@ from typing import Any, Literal
 
 from qklab.config.load import load_config
 from qklab.config.run import RunConfig
-from qklab.config.sections import QKConfig, field_types
+from qklab.config.sections import QKConfig
 from qklab.errors import ConfigError
 from qklab.methods import CONTROLLERS, METHODS
+from qklab.methods.options import field_types
 
 
 @dataclass(frozen=True)

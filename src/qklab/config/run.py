@@ -8,11 +8,12 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from qklab.config.checks import check_fields, check_head_groups, check_model, check_run_name
+from qklab.config.checks import check_head_groups, check_model, check_run_name
 from qklab.config.dotted import flatten
-from qklab.config.sections import ModelConfig, QKConfig, Tracker, TrainConfig, _key, ensure, field_types
+from qklab.config.sections import ModelConfig, QKConfig, Tracker, TrainConfig, _key, ensure
 from qklab.data import DataConfig, DataError
 from qklab.errors import ConfigError
+from qklab.methods.options import check_fields, field_types
 
 
 @dataclass

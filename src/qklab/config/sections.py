@@ -10,16 +10,15 @@ a run computes: a study's cell hash leaves it out) and whether it is resumable (
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import types
 import typing
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from qklab.errors import ConfigError
 from qklab.methods import CONTROLLERS, METHODS
+from qklab.methods.options import Range, above, at_least, between, field_types
 
 
 class MLADims(typing.NamedTuple):
@@ -28,22 +27,6 @@ class MLADims(typing.NamedTuple):
     nope: int
     rope: int
     v: int
-
-
-Range = tuple[Callable[[Any], bool], str]  # (is the value valid, what a valid value is: "> 0, e.g. 3e-3")
-
-
-def _between(lo: float, hi: float, hi_open: bool = False, note: str = "") -> Range:
-    text = f"in [{lo}, {hi}{')' if hi_open else ']'}{note}"
-    return (lambda v: lo <= v < hi) if hi_open else (lambda v: lo <= v <= hi), text
-
-
-def _at_least(lo: float, note: str = "") -> Range:
-    return (lambda v: v >= lo), f">= {lo}{note}"
-
-
-def _above(lo: float, note: str = "") -> Range:
-    return (lambda v: v > lo), f"> {lo}{note}"
 
 
 def _key(default: Any = dataclasses.MISSING, rng: Range | None = None, *, doc: str, allowed: str = "",
@@ -59,29 +42,29 @@ def _key(default: Any = dataclasses.MISSING, rng: Range | None = None, *, doc: s
     return field(default=default, default_factory=factory, metadata=meta)
 
 
-_MLA_WIDTH = _at_least(0, " (0: the default)")
+_MLA_WIDTH = at_least(0, " (0: the default)")
 
 
 @dataclass
 class ModelConfig:
     """The GPT: its shape, its attention and its positions."""
 
-    vocab_size: int = _key(0, _at_least(0, " (0: the tokenizer's vocabulary)"),
+    vocab_size: int = _key(0, at_least(0, " (0: the tokenizer's vocabulary)"),
                            doc="tokens the embedding and the head cover; 0: taken from the tokenizer")
-    d_model: int = _key(256, _above(0), doc="width of the residual stream")
-    n_layers: int = _key(4, _above(0), doc="transformer blocks")
-    n_heads: int = _key(4, _above(0), doc="query heads per layer (they divide d_model; head_dim = d_model / n_heads)")
-    n_kv_heads: int = _key(0, _at_least(0, " (0: same as n_heads)"),
+    d_model: int = _key(256, above(0), doc="width of the residual stream")
+    n_layers: int = _key(4, above(0), doc="transformer blocks")
+    n_heads: int = _key(4, above(0), doc="query heads per layer (they divide d_model; head_dim = d_model / n_heads)")
+    n_kv_heads: int = _key(0, at_least(0, " (0: same as n_heads)"),
                            doc="key/value heads: 0, the same as n_heads (MHA); fewer, dividing n_heads: GQA")
-    d_ff: int = _key(0, _at_least(0, " (0: 8/3 * d_model)"),
+    d_ff: int = _key(0, at_least(0, " (0: 8/3 * d_model)"),
                      doc="SwiGLU width; 0: 8/3 * d_model rounded up to 64s")
-    max_seq_len: int = _key(1024, _above(1), doc="longest context: RoPE tables and the KV cache are sized from this")
-    rope_theta: float = _key(10000.0, _above(0, ", e.g. 10000"), doc="RoPE base: pair i turns by "
+    max_seq_len: int = _key(1024, above(1), doc="longest context: RoPE tables and the KV cache are sized from this")
+    rope_theta: float = _key(10000.0, above(0, ", e.g. 10000"), doc="RoPE base: pair i turns by "
                                                                      "theta^(-2i/head_dim) radians a position")
     tie_embeddings: bool = _key(True, doc="the output head shares the token embedding's weights")
-    norm_eps: float = _key(1e-6, _above(0, ", e.g. 1e-6"), doc="epsilon of the RMSNorms")
-    init_std: float = _key(0.02, _above(0, ", e.g. 0.02"), doc="std of the normal init of the weight matrices")
-    qk_init_std: float = _key(0.0, _at_least(0, " (0: the QK method's own init rule), e.g. 1/sqrt(d_model)"),
+    norm_eps: float = _key(1e-6, above(0, ", e.g. 1e-6"), doc="epsilon of the RMSNorms")
+    init_std: float = _key(0.02, above(0, ", e.g. 0.02"), doc="std of the normal init of the weight matrices")
+    qk_init_std: float = _key(0.0, at_least(0, " (0: the QK method's own init rule), e.g. 1/sqrt(d_model)"),
                               doc="std of W_Q/W_K for every QK method (a fair comparison); 0: the method's own rule")
     attn_impl: Literal["auto", "sdpa", "eager"] = _key(
         "auto", doc="attention kernel: auto, fused unless the method rewrites logits; sdpa, fused only; eager")
@@ -179,57 +162,57 @@ class TrainConfig:
     name: str = _key("", doc='run folder name under out_dir (a plain folder name); "": from preset, method, seed',
                      neutral=True, resumable=True)
     out_dir: str = _key("runs", doc="folder that holds the run folders", neutral=True, resumable=True)
-    seed: int = _key(0, _between(0, 2**32 - 1), doc="seed of the initial weights (and of the batches, see data_seed)")
+    seed: int = _key(0, between(0, 2**32 - 1), doc="seed of the initial weights (and of the batches, see data_seed)")
     data_seed: int = _key(-1, doc="order of the training batches; -1: train.seed (a study fixes it across cells)",
                           allowed=">= -1 (-1: train.seed)")
     trackers: list[Tracker] = _key(factory=list, doc="also log to these (wandb offline)", resumable=True)
-    steps: int = _key(200, _above(0), doc="optimizer steps of the run", resumable=True)
-    batch_size: int = _key(16, _above(0), doc="sequences per micro-batch on each process")
-    seq_len: int = _key(256, _above(1), doc="tokens per training sequence (at most model.max_seq_len)")
-    grad_accum: int = _key(1, _above(0), doc="micro-batches whose gradients make one step")
+    steps: int = _key(200, above(0), doc="optimizer steps of the run", resumable=True)
+    batch_size: int = _key(16, above(0), doc="sequences per micro-batch on each process")
+    seq_len: int = _key(256, above(1), doc="tokens per training sequence (at most model.max_seq_len)")
+    grad_accum: int = _key(1, above(0), doc="micro-batches whose gradients make one step")
     optimizer: Literal["adamw", "muon"] = _key("adamw", doc="muon: Muon on the hidden matrices, AdamW on the rest")
-    lr: float = _key(3e-3, _above(0, ", e.g. 3e-3"), doc="peak learning rate (Muon: of the hidden matrices)",
+    lr: float = _key(3e-3, above(0, ", e.g. 3e-3"), doc="peak learning rate (Muon: of the hidden matrices)",
                      resumable=True)
-    adam_lr: float = _key(0.0, _at_least(0, " (0: train.lr)"),
+    adam_lr: float = _key(0.0, at_least(0, " (0: train.lr)"),
                           doc="Muon only: learning rate of the AdamW groups (embeddings, head)")
-    weight_decay: float = _key(0.1, _at_least(0), doc="decoupled weight decay")
-    beta1: float = _key(0.9, _between(0, 1, hi_open=True, note=", e.g. 0.9"), doc="AdamW's first-moment decay")
-    beta2: float = _key(0.95, _between(0, 1, hi_open=True, note=", e.g. 0.95"), doc="AdamW's second-moment decay")
-    muon_momentum: float = _key(0.95, _between(0, 1, hi_open=True, note=", e.g. 0.95"), doc="Muon's momentum")
+    weight_decay: float = _key(0.1, at_least(0), doc="decoupled weight decay")
+    beta1: float = _key(0.9, between(0, 1, hi_open=True, note=", e.g. 0.9"), doc="AdamW's first-moment decay")
+    beta2: float = _key(0.95, between(0, 1, hi_open=True, note=", e.g. 0.95"), doc="AdamW's second-moment decay")
+    muon_momentum: float = _key(0.95, between(0, 1, hi_open=True, note=", e.g. 0.95"), doc="Muon's momentum")
     muon_per_head: Literal["none", "qk", "qkv"] = _key(
         "none", doc="Muon only: Newton-Schulz per attention head on W_Q, W_K (qkv: and W_V; MLA: the per-head "
                     "up-projections)")
     muon_head_groups: int = _key(
-        0, _at_least(0, " (0: one group per head)"),
+        0, at_least(0, " (0: one group per head)"),
         doc="Muon only, with muon_per_head: Newton-Schulz over g groups of adjacent heads of each matrix (Group "
             "Muon; 1: the whole matrix, n_heads: per head); a KV matrix takes min(g, its heads) groups")
     schedule: Literal["cosine", "constant"] = _key("cosine", doc="learning rate after a linear warmup")
-    warmup_steps: int = _key(20, _at_least(0), doc="steps of the linear warmup")
-    min_lr_ratio: float = _key(0.1, _between(0, 1), doc="cosine: the last step's lr as a share of the peak")
-    grad_clip: float = _key(1.0, _at_least(0, " (0: off)"), doc="largest global gradient norm", resumable=True)
-    eval_every: int = _key(50, _above(0), doc="steps between evaluations",
+    warmup_steps: int = _key(20, at_least(0), doc="steps of the linear warmup")
+    min_lr_ratio: float = _key(0.1, between(0, 1), doc="cosine: the last step's lr as a share of the peak")
+    grad_clip: float = _key(1.0, at_least(0, " (0: off)"), doc="largest global gradient norm", resumable=True)
+    eval_every: int = _key(50, above(0), doc="steps between evaluations",
                            resumable=True)
-    eval_batches: int = _key(8, _above(0), doc="held-out batches per evaluation", resumable=True)
-    ckpt_every: int = _key(100, _at_least(0, " (0: only at the end)"), doc="steps between checkpoints",
+    eval_batches: int = _key(8, above(0), doc="held-out batches per evaluation", resumable=True)
+    ckpt_every: int = _key(100, at_least(0, " (0: only at the end)"), doc="steps between checkpoints",
                            resumable=True)
-    keep_ckpts: int = _key(2, _above(0), doc="newest checkpoints kept", resumable=True)
-    log_every: int = _key(10, _above(0), doc="steps between metric records",
+    keep_ckpts: int = _key(2, above(0), doc="newest checkpoints kept", resumable=True)
+    log_every: int = _key(10, above(0), doc="steps between metric records",
                           resumable=True)
     dtype: Literal["fp32", "bf16"] = _key("fp32", doc="bf16: autocast, for GPUs")
     compile: bool = _key(False, doc="torch.compile the model", resumable=True)
     device: Literal["auto", "cpu", "cuda"] = _key("auto", doc="auto: cuda where there is one, else cpu",
                                                   resumable=True)
-    threads: int = _key(0, _at_least(0, " (0: torch's default)"), doc="torch intra-op CPU threads", neutral=True,
+    threads: int = _key(0, at_least(0, " (0: torch's default)"), doc="torch intra-op CPU threads", neutral=True,
                         resumable=True)
     progress: bool = _key(True, doc="show a progress bar (a line a minute without a terminal)", neutral=True,
                           resumable=True)
-    diag_every: int = _key(50, _at_least(0, " (0: off)"), doc="steps between attention diagnostics (fixed batch)",
+    diag_every: int = _key(50, at_least(0, " (0: off)"), doc="steps between attention diagnostics (fixed batch)",
                            resumable=True)
-    diag_batch: int = _key(4, _above(0), doc="sequences (of seq_len tokens) in the diagnostics batch",
+    diag_batch: int = _key(4, above(0), doc="sequences (of seq_len tokens) in the diagnostics batch",
                            resumable=True)
     nonfinite: Literal["stop", "skip"] = _key(
         "stop", doc="on a non-finite loss or gradient: end the run, or do not apply the step", resumable=True)
-    skip_limit: float = _key(0.1, _between(0, 1, note=", e.g. 0.1"),
+    skip_limit: float = _key(0.1, between(0, 1, note=", e.g. 0.1"),
                              doc="with nonfinite=skip, a run that skips more than this share of its steps fails",
                              resumable=True)
     parallel: Literal["none", "ddp", "fsdp"] = _key(
@@ -245,12 +228,6 @@ def ensure(ok: bool, msg: str) -> None:
     """``ConfigError(msg)`` unless ``ok``: a rule of the config, its message one line naming the key."""
     if not ok:
         raise ConfigError(msg)
-
-
-@functools.cache
-def field_types(cls: type) -> dict[str, Any]:
-    """A dataclass's field types, resolved (the modules use ``from __future__ import annotations``)."""
-    return typing.get_type_hints(cls)
 
 
 def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:

@@ -14,8 +14,9 @@ A QK method is either forward-side or optimizer-side:
 * ``QKController`` (optimizer-side) acts around ``optimizer.step()``: ``before_step`` may set per-head
   learning rates, ``after_step`` may rescale weights. Its state goes into checkpoints.
 
-Adding a method means one new file with a subclass (and its ``Options`` dataclass) plus one registry
-line in ``qklab.methods``. The subclass overrides what it changes, and nothing else: the widths
+Adding a method means one new file with a subclass (and its ``Options`` dataclass, whose fields state
+their ranges and choices: ``qklab.methods.options``) plus one registry line in ``qklab.methods``. The
+subclass overrides what it changes, and nothing else: the widths
 (``proj_dim``, ``qk_in_dim``, ``feature_dim``, ``qk_init_std``), the maps (``map_input``, ``map_qk``, and
 ``latent_map`` for MLA's latent cache), ``scale``, ``logits`` (with ``modifies_logits``) and ``raw_logit``,
 QK-clip's ``clip_refusal`` and ``clip_logits``, ``after_rope_refusal``, a watch on its own logits
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -55,18 +56,6 @@ def positions_of(rope: Rope, x: torch.Tensor, pos: int) -> torch.Tensor:
     fn = getattr(rope, "positions", None)
     out = fn(x, pos) if fn is not None else None
     return out if out is not None else torch.arange(pos, pos + x.shape[-2], device=x.device)
-
-
-# metadata of an option added after study results were committed with its method: left out of a study
-# cell's hash while at its default (which keeps the old behaviour), so those results stay valid
-LATE = {"late": True}
-
-
-def option(default: Any, doc: str, allowed: str = "", *, late: bool = False) -> Any:
-    """An ``Options`` field and what ``qklab config`` shows of it, in its metadata: doc, its meaning in one
-    line; allowed, its valid values as text (``validate`` checks them); late, see ``LATE``."""
-    meta = {"doc": doc, **({"allowed": allowed} if allowed else {}), **(LATE if late else {})}
-    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)

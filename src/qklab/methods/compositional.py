@@ -65,41 +65,31 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from qklab.errors import ConfigError
 from qklab.methods.applied import MeasuredUpdate, head_norms, per_layer, rows_head_sq
-from qklab.methods.base import QKController, option
+from qklab.methods.base import QKController
 from qklab.methods.headwise import HeadMatrix, group_decay, is_mla, logit_matrices
+from qklab.methods.options import Options, above, at_least, option
 from qklab.methods.shards import is_sharded, local_rows
-
-FORMS = ("isotropic", "exact")
 
 
 @dataclass
-class CompositionalOptions:
+class CompositionalOptions(Options, section="qk.compositional"):
     tau: float = option(0.5, "the share of the composed budget each factor gets (0.5: the published half split)",
-                        "> 0")
+                        above(0))
     damping: float = option(0.0, "absolute lambda in C = (W W^T + lambda I)^{1/2}; > 0 bounds the factors of a "
-                                 "small partner", ">= 0")
-    decay: str = option("scaled", "as QuacK's decay (form=exact: base)", "scaled | base")
+                                 "small partner", at_least(0))
+    decay: Literal["scaled", "base"] = option("scaled", "as QuacK's decay (form=exact: base)")
     # late: added after results with the isotropic form; hashed only away from their defaults
-    form: str = option("isotropic", "isotropic, or exact (whitened inside HeadMuon)", "isotropic | exact", late=True)
-    rel_damping: float = option(1e-3, "exact: lambda += rel_damping * tr(W W^T) / d", ">= 0", late=True)
+    form: Literal["isotropic", "exact"] = option("isotropic", "isotropic, or exact (whitened inside HeadMuon)",
+                                                 late=True)
+    rel_damping: float = option(1e-3, "exact: lambda += rel_damping * tr(W W^T) / d", at_least(0), late=True)
 
-    def validate(self) -> None:
-        if self.tau <= 0:
-            raise ValueError(f"qk.compositional.tau must be > 0, got {self.tau}")
-        if self.damping < 0:
-            raise ValueError(f"qk.compositional.damping must be >= 0, got {self.damping}")
-        if self.decay not in ("scaled", "base"):
-            raise ValueError(f"qk.compositional.decay='{self.decay}': use scaled or base")
-        if self.form not in FORMS:
-            raise ValueError(f"qk.compositional.form='{self.form}': use isotropic or exact")
-        if self.rel_damping < 0:
-            raise ValueError(f"qk.compositional.rel_damping must be >= 0, got {self.rel_damping}")
+    def check(self) -> None:
         if self.form == "exact" and self.decay != "base":
             raise ValueError("qk.compositional.form=exact keeps the decoupled weight decay at the group's rate "
                              "(its per-head factor is a matrix): set qk.compositional.decay=base")

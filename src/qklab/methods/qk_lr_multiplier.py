@@ -9,17 +9,14 @@ from typing import Any
 import torch
 
 from qklab.methods.applied import MeasuredUpdate, head_norms, per_layer
-from qklab.methods.base import QKController, option
+from qklab.methods.base import QKController
 from qklab.methods.headwise import logit_matrices
+from qklab.methods.options import Options, above, option
 
 
 @dataclass
-class QKLRMultiplierOptions:
-    tau: float = option(0.1, "the Q/K matrices' constant learning rate relative to eta", "> 0")
-
-    def validate(self) -> None:
-        if self.tau <= 0:
-            raise ValueError(f"qk.qk_lr_multiplier.tau must be > 0, got {self.tau}")
+class QKLRMultiplierOptions(Options, section="qk.qk_lr_multiplier"):
+    tau: float = option(0.1, "the Q/K matrices' constant learning rate relative to eta", above(0))
 
 
 class QKLRMultiplier(QKController):

@@ -20,31 +20,24 @@ A head with S <= 0 (or none seen) is left alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from qklab.methods.applied import head_norms, rows_head_sq
-from qklab.methods.base import QKController, QKMethod, option
+from qklab.methods.base import QKController, QKMethod
 from qklab.methods.headwise import is_mla, logit_matrices
+from qklab.methods.options import Options, above, between, option
 from qklab.methods.shards import local_rows
 
 
 @dataclass
-class QKClipOptions:
+class QKClipOptions(Options, section="qk.qkclip"):
     tau_clip: float = option(100.0, "a head whose largest logit since the last step exceeds this is clipped to it",
-                             "> 0")
-    gqa: str = option("min", "GQA: how a shared key head is clipped; min: by its group's smallest factor, "
-                                 "exact: each head's logits by exactly its own", "min | exact")
-    alpha: float = option(0.5, "MLA: q_nope scaled by g^alpha, k_nope by g^(1 - alpha), q_rope by g", "in [0, 1]")
-
-    def validate(self) -> None:
-        if self.tau_clip <= 0:
-            raise ValueError(f"qk.qkclip.tau_clip must be > 0, got {self.tau_clip}")
-        if self.gqa not in ("min", "exact"):
-            raise ValueError(f"qk.qkclip.gqa='{self.gqa}': use min or exact")
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"qk.qkclip.alpha must be in [0, 1], got {self.alpha}")
+                             above(0))
+    gqa: Literal["min", "exact"] = option("min", "GQA: how a shared key head is clipped; min: by its group's "
+                                                 "smallest factor, exact: each head's logits by exactly its own")
+    alpha: float = option(0.5, "MLA: q_nope scaled by g^alpha, k_nope by g^(1 - alpha), q_rope by g", between(0, 1))
 
 
 class QKClip(QKController):

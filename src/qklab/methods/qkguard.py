@@ -29,29 +29,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from qklab.methods.base import AttnShape, QKMethod, option
+from qklab.methods.base import AttnShape, QKMethod
+from qklab.methods.options import Options, above, option
 
 
 @dataclass
-class QKGuardOptions:
+class QKGuardOptions(Options, section="qk.qkguard"):
     threshold: float = option(100.0, "a head is switched to parameter-free QK-Norm once its measure exceeds this",
-                              "> 0")
-    measure: str = option("max_logit", "max_logit: the head's largest logit in a step; growth: that over its "
-                                       "largest logit at the guard's first step", "max_logit | growth")
-    per: str = option("head", "what switches: a key head with its query heads, or the whole layer", "head | layer")
+                              above(0))
+    measure: Literal["max_logit", "growth"] = option(
+        "max_logit", "max_logit: the head's largest logit in a step; growth: that over its largest logit at the "
+                     "guard's first step")
+    per: Literal["head", "layer"] = option("head", "what switches: a key head with its query heads, or the whole "
+                                                   "layer")
     eps: float = option(1e-6, "added to the mean square under the root (RMSNorm's epsilon)")
-
-    def validate(self) -> None:
-        if not self.threshold > 0:
-            raise ValueError(f"qk.qkguard.threshold must be > 0, got {self.threshold}")
-        if self.measure not in ("max_logit", "growth"):
-            raise ValueError(f"qk.qkguard.measure={self.measure!r}: use max_logit or growth")
-        if self.per not in ("head", "layer"):
-            raise ValueError(f"qk.qkguard.per={self.per!r}: use head or layer")
 
 
 class QKGuard(QKMethod):

@@ -35,49 +35,37 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
-from qklab.methods.base import AttnShape, QKMethod, option
-
-VARIANTS = ("post", "input", "polar")
-SHARING = ("auto", "layer", "head", "coord")
+from qklab.methods.base import AttnShape, QKMethod
+from qklab.methods.options import Options, above, at_least, option
 
 
 @dataclass
-class QKMapOptions:
-    variant: str = option("post", "where the periodic map acts (docs/qk-map.md)", "post | input | polar")
-    n_freqs: int = option(1, "M, frequencies per coordinate", ">= 1")
-    proj_dim: int = option(0, "d' per head (post/polar); 0: compute-matched, 2 M d' = d_head", ">= 0")
-    freq_min: float = option(0.5, "frequencies start on a log grid from freq_min ...", "> 0")
-    freq_max: float = option(0.0, "... to freq_max; 0: freq_min * 2^(M-1)", ">= 0")
-    sharing: str = option("auto", "who shares frequencies: auto (head; layer for input), coord (post only)",
-                          "auto | layer | head | coord")
+class QKMapOptions(Options, section="qk.qkmap"):
+    variant: Literal["post", "input", "polar"] = option("post", "where the periodic map acts (docs/qk-map.md)")
+    n_freqs: int = option(1, "M, frequencies per coordinate", at_least(1))
+    proj_dim: int = option(0, "d' per head (post/polar); 0: compute-matched, 2 M d' = d_head", at_least(0))
+    freq_min: float = option(0.5, "frequencies start on a log grid from freq_min ...", above(0))
+    freq_max: float = option(0.0, "... to freq_max; 0: freq_min * 2^(M-1)", at_least(0))
+    sharing: Literal["auto", "layer", "head", "coord"] = option(
+        "auto", "who shares frequencies: auto (head; layer for input), coord (post only)")
     learn_freqs: bool = option(True, "the frequencies are learnt (as log_freq)")
     temperature: float = option(0.0, "initial logit bound T_h (post/polar); 0: 2 sqrt(d_head) (docs/qk-map.md)",
-                                ">= 0")
+                                at_least(0))
     learn_temperature: bool = option(True, "T_h is learnt as log T_h")
-    lr_mult: float = option(10.0, "rate of log_freq and log_temp relative to the base rate (no weight decay)", ">= 0")
-    rope: str = option("after", "after: RoPE on (cos, sin) pairs; before: RoPE on z, then the map (ablation)",
-                       "after | before")
-    polar_g: str = option("log", "polar only: the norm as it is, or its log", "identity | log")
+    lr_mult: float = option(10.0, "rate of log_freq and log_temp relative to the base rate (no weight decay)",
+                            at_least(0))
+    rope: Literal["after", "before"] = option("after", "after: RoPE on (cos, sin) pairs; before: RoPE on z, then the "
+                                                       "map (ablation)")
+    polar_g: Literal["identity", "log"] = option("log", "polar only: the norm as it is, or its log")
     qk_init_std: float = option(0.0, "std of W_Q/W_K at init; 0: post/polar 1/sqrt(fan_in) (w * std(z) ~ w), input "
-                                     "the model's init_std", ">= 0")
+                                     "the model's init_std", at_least(0))
 
-    def validate(self) -> None:
-        if self.variant not in VARIANTS:
-            raise ValueError(f"qk.qkmap.variant='{self.variant}': use one of {', '.join(VARIANTS)}")
-        if self.sharing not in SHARING:
-            raise ValueError(f"qk.qkmap.sharing='{self.sharing}': use one of {', '.join(SHARING)}")
-        if self.rope not in ("after", "before"):
-            raise ValueError(f"qk.qkmap.rope='{self.rope}': use after or before")
-        if self.polar_g not in ("identity", "log"):
-            raise ValueError(f"qk.qkmap.polar_g='{self.polar_g}': use identity or log")
-        if self.n_freqs < 1 or self.proj_dim < 0 or self.freq_min <= 0 or self.freq_max < 0:
-            raise ValueError("qk.qkmap: n_freqs must be >= 1, proj_dim >= 0, freq_min > 0, freq_max >= 0")
-        if self.temperature < 0 or self.lr_mult < 0 or self.qk_init_std < 0:
-            raise ValueError("qk.qkmap: temperature (0: default), lr_mult and qk_init_std must be >= 0")
+    def check(self) -> None:
         if self.variant == "input" and self.sharing in ("head", "coord"):
             raise ValueError(f"qk.qkmap.sharing={self.sharing} needs variant post or polar (input maps x before "
                              "the heads exist); use sharing=layer or auto")

@@ -25,38 +25,32 @@ Variants (options; the defaults are the QK-Norm above, computed exactly as befor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
-from qklab.methods.base import AttnShape, QKMethod, option
+from qklab.methods.base import AttnShape, QKMethod
+from qklab.methods.options import Options, above, at_least, option
 
 
 @dataclass
-class QKNormOptions:
+class QKNormOptions(Options, section="qk.qknorm"):
     eps: float = option(1e-6, "added to the mean square under the root (RMSNorm's epsilon)")
-    gain_init: float = option(1.0, "initial value of every gain entry", "> 0")
-    k_group: int = option(1, "key heads sharing one key RMS (1: per head)", ">= 1")
+    gain_init: float = option(1.0, "initial value of every gain entry", above(0))
+    k_group: int = option(1, "key heads sharing one key RMS (1: per head)", at_least(1))
     k_parts: bool = option(False, "MLA: normalise the keys' nope and rope parts separately")
     # late: added after the CPU studies' results, hashed only away from their defaults (the old QK-Norm)
     q_gain: bool = option(True, "false: parameter-free RMS on q (DeepSeek-V4 style)", late=True)
-    stats: str = option("head", "the statistic per head, or over all of a token's heads", "head | flat", late=True)
-    gains: str = option("shared", "one gain vector for all heads, or one per head", "shared | head", late=True)
-    p: float = option(2.0, "the statistic (mean |x|^p)^(1/p); p != 2: a learnable logit scale", ">= 1", late=True)
+    stats: Literal["head", "flat"] = option("head", "the statistic per head, or over all of a token's heads",
+                                            late=True)
+    gains: Literal["shared", "head"] = option("shared", "one gain vector for all heads, or one per head", late=True)
+    p: float = option(2.0, "the statistic (mean |x|^p)^(1/p); p != 2: a learnable logit scale", at_least(1),
+                      late=True)
     k_gain: bool = option(True, "false: parameter-free RMS on k (with q_gain=false: a QK-Norm that commutes with RoPE)",
                           late=True)
 
-    def validate(self) -> None:
-        if self.gain_init <= 0:
-            raise ValueError(f"qk.qknorm.gain_init must be > 0, got {self.gain_init}")
-        if self.k_group < 1:
-            raise ValueError(f"qk.qknorm.k_group must be >= 1, got {self.k_group}")
-        if self.stats not in ("head", "flat"):
-            raise ValueError(f"qk.qknorm.stats={self.stats!r}: use head or flat")
-        if self.gains not in ("shared", "head"):
-            raise ValueError(f"qk.qknorm.gains={self.gains!r}: use shared or head")
-        if not self.p >= 1:
-            raise ValueError(f"qk.qknorm.p must be >= 1 (a norm), got {self.p}")
+    def check(self) -> None:
         if self.stats == "flat" and self.k_group != 1:
             raise ValueError("qk.qknorm.stats=flat already takes one key statistic over all heads; leave k_group at 1")
 

@@ -29,40 +29,32 @@ Options the paper leaves open (each measured in docs/logit-control.md):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from qklab.methods.applied import MeasuredUpdate, head_norms, per_layer
-from qklab.methods.base import QKController, option
+from qklab.methods.base import QKController
 from qklab.methods.headwise import (
     HeadMatrix,
     group_decay,
     is_mla,
     logit_matrices,
 )
+from qklab.methods.options import Options, above, option
 from qklab.methods.shards import is_sharded
 
 
 @dataclass
-class QuacKOptions:
-    tau: float = option(1.0, "initial Q/K learning rate relative to eta", "> 0")
-    norm: str = option("fro", "the norm of each matrix in its partner's factor (Frobenius or spectral)",
-                       "fro | spectral")
-    clamp: float = option(0.0, "every factor kept within [tau / clamp, tau * clamp]; 0: off", "0 (off) or >= 1")
-    decay: str = option("scaled", "scaled: the decoupled decay moves with the factor; base: decay at the group's rate",
-                        "scaled | base")
+class QuacKOptions(Options, section="qk.quack"):
+    tau: float = option(1.0, "initial Q/K learning rate relative to eta", above(0))
+    norm: Literal["fro", "spectral"] = option("fro", "the norm of each matrix in its partner's factor (Frobenius or "
+                                                     "spectral)")
+    clamp: float = option(0.0, "every factor kept within [tau / clamp, tau * clamp]; 0: off",
+                          (lambda v: v == 0 or v >= 1, "0 (off) or >= 1"))
+    decay: Literal["scaled", "base"] = option("scaled", "scaled: the decoupled decay moves with the factor; base: "
+                                                        "decay at the group's rate")
     gains: bool = option(False, "count the RMSNorm gains in front of each matrix in its norm")
-
-    def validate(self) -> None:
-        if self.tau <= 0:
-            raise ValueError(f"qk.quack.tau must be > 0, got {self.tau}")
-        if self.norm not in ("fro", "spectral"):
-            raise ValueError(f"qk.quack.norm='{self.norm}': use fro or spectral")
-        if self.clamp < 0 or 0 < self.clamp < 1:
-            raise ValueError(f"qk.quack.clamp must be 0 (off) or >= 1, got {self.clamp}")
-        if self.decay not in ("scaled", "base"):
-            raise ValueError(f"qk.quack.decay='{self.decay}': use scaled or base")
 
 
 def input_gains(block) -> dict[str, torch.Tensor]:

@@ -19,20 +19,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from qklab.methods.base import AttnShape, QKMethod, option
+from qklab.methods.base import AttnShape, QKMethod
+from qklab.methods.options import Options, above, option
 
 
 @dataclass
-class QuestOptions:
-    eps: float = option(1e-6, "k / sqrt(||k||^2 + eps)", "> 0")
+class QuestOptions(Options, section="qk.quest"):
+    eps: float = option(1e-6, "k / sqrt(||k||^2 + eps)", above(0))
     head_scale: bool = option(False, "a learnable logit factor c_h per head (the paper: none, c = 1)")
-    scale_init: float = option(1.0, "initial c_h with head_scale", "> 0")
-
-    def validate(self) -> None:
-        if not self.eps > 0:
-            raise ValueError(f"qk.quest.eps must be > 0, got {self.eps}")
-        if not self.scale_init > 0:
-            raise ValueError(f"qk.quest.scale_init must be > 0, got {self.scale_init}")
+    scale_init: float = option(1.0, "initial c_h with head_scale", above(0))
 
 
 class Quest(QKMethod):

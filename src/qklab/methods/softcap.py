@@ -10,16 +10,13 @@ from dataclasses import dataclass
 
 import torch
 
-from qklab.methods.base import AttnShape, QKMethod, option
+from qklab.methods.base import AttnShape, QKMethod
+from qklab.methods.options import Options, above, option
 
 
 @dataclass
-class SoftCapOptions:
-    cap: float = option(50.0, "the logit bound: s <- cap * tanh(s / cap) on the scaled logits", "> 0")
-
-    def validate(self) -> None:
-        if not self.cap > 0:
-            raise ValueError(f"qk.softcap.cap must be > 0, got {self.cap}")
+class SoftCapOptions(Options, section="qk.softcap"):
+    cap: float = option(50.0, "the logit bound: s <- cap * tanh(s / cap) on the scaled logits", above(0))
 
 
 class SoftCap(QKMethod):

@@ -21,17 +21,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from qklab.methods.base import AttnShape, QKMethod, option, positions_of
+from qklab.methods.base import AttnShape, QKMethod, positions_of
+from qklab.methods.options import Options, at_least, option
 
 
 @dataclass
-class SSMaxOptions:
+class SSMaxOptions(Options, section="qk.ssmax"):
     ref_len: int = option(256, "s_h starts at 1 / log(ref_len): standard logits for a query that sees ref_len keys",
-                          ">= 2")
-
-    def validate(self) -> None:
-        if self.ref_len < 2:
-            raise ValueError(f"qk.ssmax.ref_len must be >= 2 (log 1 = 0), got {self.ref_len}")
+                          at_least(2))
 
 
 class SSMax(QKMethod):

@@ -21,25 +21,18 @@ from typing import Any
 import torch
 
 from qklab.methods.applied import MeasuredUpdate, head_norms, per_layer
-from qklab.methods.base import QKController, option
+from qklab.methods.base import QKController
 from qklab.methods.headwise import logit_matrices
+from qklab.methods.options import Options, above, at_least, between, option
 
 
 @dataclass
-class UpperQKSlowdownOptions:
-    share: float = option(0.5, "share of the layers, counted from the top, whose Q/K are slowed", "in (0, 1]")
-    factor: float = option(0.1, "their Q/K learning rate relative to eta while slowed", "> 0")
-    steps: int = option(100, "optimizer steps at the slowed rate, from the first", ">= 0")
-    ramp: int = option(0, "steps of a linear return from factor to 1 after them (0: a switch)", ">= 0")
-
-    def validate(self) -> None:
-        if not 0 < self.share <= 1:
-            raise ValueError(f"qk.upper_qk_slowdown.share must be in (0, 1], got {self.share}")
-        if self.factor <= 0:
-            raise ValueError(f"qk.upper_qk_slowdown.factor must be > 0, got {self.factor}")
-        for key in ("steps", "ramp"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"qk.upper_qk_slowdown.{key} must be >= 0, got {getattr(self, key)}")
+class UpperQKSlowdownOptions(Options, section="qk.upper_qk_slowdown"):
+    share: float = option(0.5, "share of the layers, counted from the top, whose Q/K are slowed",
+                          between(0, 1, lo_open=True))
+    factor: float = option(0.1, "their Q/K learning rate relative to eta while slowed", above(0))
+    steps: int = option(100, "optimizer steps at the slowed rate, from the first", at_least(0))
+    ramp: int = option(0, "steps of a linear return from factor to 1 after them (0: a switch)", at_least(0))
 
 
 def slowdown_factor(step: int, opts: UpperQKSlowdownOptions) -> float:

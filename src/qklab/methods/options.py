@@ -1,0 +1,90 @@
+"""Typed option fields and their one validation, shared by each method's ``Options`` and the run config's
+sections (``qklab.config`` imports this; methods/ never imports the config).
+
+What is known about a field sits on it: a ``typing.Literal`` type lists its choices, its metadata its
+meaning (``doc``), its valid range (a ``Range``: a check and the text ``qklab config`` shows) and whether
+it came late (``LATE``). ``check_fields`` checks a dataclass against them, one ``ConfigError`` line per
+broken rule naming the key; ``Options.validate`` runs it, then the rules across fields a range cannot state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
+
+from qklab.errors import ConfigError
+
+Range = tuple[Callable[[Any], bool], str]  # (is the value valid, what a valid value is: "> 0, e.g. 3e-3")
+
+
+def between(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False, note: str = "") -> Range:
+    """lo <= v <= hi, either end open on request: "in [0, 1)"."""
+    text = f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}{note}"
+    return (lambda v: (lo < v if lo_open else lo <= v) and (v < hi if hi_open else v <= hi)), text
+
+
+def at_least(lo: float, note: str = "") -> Range:
+    return (lambda v: v >= lo), f">= {lo}{note}"
+
+
+def above(lo: float, note: str = "") -> Range:
+    return (lambda v: v > lo), f"> {lo}{note}"
+
+
+# metadata of an option added after study results were committed with its method: left out of a study
+# cell's hash while at its default (which keeps the old behaviour), so those results stay valid
+LATE = {"late": True}
+
+
+def option(default: Any, doc: str, rng: Range | None = None, *, late: bool = False) -> Any:
+    """An ``Options`` field and what ``qklab config`` shows of it, in its metadata: doc, its meaning in one
+    line; rng, its valid values (``check_fields`` checks them; choices are a ``Literal`` type); late, see
+    ``LATE``."""
+    meta = {"doc": doc, **({"range": rng} if rng else {}), **(LATE if late else {})}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """A dataclass's field types, resolved (the modules use ``from __future__ import annotations``)."""
+    return typing.get_type_hints(cls)
+
+
+def check_fields(section: str, obj: Any) -> None:
+    """Each field's range (its metadata) and choices (its Literal type): ``model.d_model=0 is out of range:
+    it must be > 0``, ``train.optimizer='sgd': use adamw or muon``."""
+    hints = field_types(type(obj))
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{section}.{f.name}"
+        if "range" in f.metadata:
+            ok, want = f.metadata["range"]
+            if not ok(value):
+                raise ConfigError(f"{key}={value!r} is out of range: it must be {want}")
+        if typing.get_origin(hints[f.name]) is Literal:
+            *rest, last = choices = typing.get_args(hints[f.name])
+            if value not in choices:
+                raise ConfigError(f"{key}={value!r}: use {', '.join(rest)} or {last}")
+
+
+class Options:
+    """Base of a method's or controller's ``Options`` dataclass, declared with the section its keys sit in
+    (``class SoftCapOptions(Options, section="qk.softcap")``): ``validate`` checks each field against its
+    range and choices, then the rules across fields (``check``)."""
+
+    section: ClassVar[str] = ""
+
+    def __init_subclass__(cls, section: str = "", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.section = section or cls.section
+
+    def validate(self) -> None:
+        """Raise ValueError (``ConfigError`` for a range or a choice), one line naming the key, for the first
+        broken rule; ``qklab.config`` and ``qklab.methods.build`` pass it on as a ``ConfigError``."""
+        check_fields(self.section, self)
+        self.check()
+
+    def check(self) -> None:
+        """The rules across fields that no single field's range states; raise ValueError (one line)."""
