@@ -1,7 +1,7 @@
 """Every error qklab raises for something the user can fix: one line, printed without a traceback, exit 2.
 
     UserError
-        ConfigError       a config value, a study file, a command-line option (config.py, study/)
+        ConfigError       a config value, a study file, a command-line option (config/, study/)
             ProbeError    a bad option or input of ``qklab probe``
             ReportError   nothing to report
         DataError         the data settings or the data itself (data/)
