@@ -3,6 +3,7 @@ in every panel (two studies: the same names in two panels of each figure)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 import matplotlib.colors as mcolors
@@ -34,9 +35,7 @@ def _analysis(tmp_path) -> dict:
                     write_json_atomic(res / c["cell"] / "result.json", c)
         dirs.append(res)
     analysis = analyze(*load_results(dirs))
-    for g in analysis["groups"]:
-        g["multi"] = True
-    return analysis
+    return dataclasses.replace(analysis, groups=[dataclasses.replace(g, multi=True) for g in analysis.groups])
 
 
 def _hex(artist) -> str:
@@ -50,7 +49,7 @@ def _hex(artist) -> str:
 
 
 def test_a_method_has_one_colour_in_every_panel(tmp_path, monkeypatch):
-    data = figures.figure_data(_analysis(tmp_path))
+    data = figures.figure_data(_analysis(tmp_path).groups)
     mapping = figures.colours(data)
     assert list(mapping) == sorted(VARIANTS)  # the report's names, sorted, take the palette in turn
     assert list(mapping.values()) == figures.PALETTE[:4]

@@ -40,31 +40,31 @@ def _study(tmp_path, none_acc: list[float]):
                            probe=_probe(acc if m == 1.0 else 0.0, CONTRAST[v][s] if m == 1.0 else 99.0))
                 write_json_atomic(res / c["cell"] / "result.json", c)
     results, studies = load_results([res])
-    return {r["id"]: r for r in claims_table(analyze(results, studies)["groups"], studies)}
+    return {r.id: r for r in claims_table(analyze(results, studies).groups, studies)}
 
 
 def test_control_holds_and_the_claims_are_read_at_the_registered_context(tmp_path):
     acc = [0.95, 0.92, 0.99, 0.9, 0.97, 0.93, 0.91, 0.96]
     rows = _study(tmp_path, acc)
     ctrl = rows["control.retrieval_learned"]
-    assert (ctrl["verdict"], ctrl["status"]) == ("holds", "confirmatory")
-    assert f"mean accuracy {np.mean(acc):.3f}" in ctrl["measured"] and "n=8" in ctrl["measured"]
+    assert (ctrl.verdict, ctrl.status) == ("holds", "confirmatory")
+    assert f"mean accuracy {np.mean(acc):.3f}" in ctrl.measured and "n=8" in ctrl.measured
     ev = rows["qkmap.evidence_contrast"]
     d = np.subtract(CONTRAST["qkmap"], CONTRAST["none"])  # at 256 tokens, by hand
-    assert ev["stats"]["mean"] == pytest.approx(-d.mean()) and ev["stats"]["n"] == 8  # none - qkmap: < 0 agrees
-    assert ev["verdict"] == "agree" and ev["p_holm"] == pytest.approx(2 * 2 / 2 ** 8)  # two claims in the family
+    assert ev.stats["mean"] == pytest.approx(-d.mean()) and ev.stats["n"] == 8  # none - qkmap: < 0 agrees
+    assert ev.verdict == "agree" and ev.p_holm == pytest.approx(2 * 2 / 2 ** 8)  # two claims in the family
     vs = rows["qkmap.evidence_contrast_vs_qknorm"]
-    assert vs["stats"]["mean"] == pytest.approx(np.subtract(CONTRAST["qknorm"], CONTRAST["qkmap"]).mean())
-    assert vs["family"] == ev["family"] == "QK-MAP"
+    assert vs.stats["mean"] == pytest.approx(np.subtract(CONTRAST["qknorm"], CONTRAST["qkmap"]).mean())
+    assert vs.family == ev.family == "QK-MAP"
 
 
 def test_a_failed_control_leaves_the_claims_not_measurable(tmp_path):
     rows = _study(tmp_path, [0.95, 0.2, 0.99, 0.9, 0.97, 0.93, 0.91, 0.96])  # mean 0.85 < 0.9
-    assert rows["control.retrieval_learned"]["verdict"] == "fails"
+    assert rows["control.retrieval_learned"].verdict == "fails"
     for cid in ("qkmap.evidence_contrast", "qkmap.evidence_contrast_vs_qknorm"):
-        assert rows[cid]["verdict"] == "not measurable"
-        assert "positive control did not hold" in rows[cid]["reason"]
-    assert rows["qkmap.evidence"]["verdict"] == "exploratory"  # not registered: untouched
+        assert rows[cid].verdict == "not measurable"
+        assert "positive control did not hold" in rows[cid].reason
+    assert rows["qkmap.evidence"].verdict == "exploratory"  # not registered: untouched
 
 
 def test_own_claims_are_listed_only_where_registered(tmp_path):
@@ -74,6 +74,6 @@ def test_own_claims_are_listed_only_where_registered(tmp_path):
     c = result("none", 1.0, 0, 1.0, 1.0, study="plain")
     write_json_atomic(res / c["cell"] / "result.json", c)
     results, studies = load_results([res])
-    ids = {r["id"] for r in claims_table(analyze(results, studies)["groups"], studies)}
+    ids = {r.id for r in claims_table(analyze(results, studies).groups, studies)}
     assert "qkmap.evidence" in ids and not ids & {"control.retrieval_learned", "qkmap.evidence_contrast",
                                                   "qkmap.evidence_contrast_vs_qknorm"}

@@ -4,6 +4,7 @@ links to the result.json files it came from; the report opens with one answer pe
 from __future__ import annotations
 
 import base64
+import dataclasses
 import re
 from html.parser import HTMLParser
 from pathlib import Path
@@ -12,6 +13,7 @@ from urllib.parse import unquote
 import pytest
 
 from qklab.report import render, write_report
+from qklab.report.claim_row import ClaimRow
 from tests.report.test_report import _write
 
 LINK = re.compile(r"(?<!\\)\[((?:\\.|[^\]\\])*)\]\(([^)\s]+)\)")
@@ -114,7 +116,7 @@ def test_results_numbers_link_to_their_cells(report):
     assert row["variant"] == "quack" and row["bootstrap 95%"] == "-"  # no number, no link
 
 
-PLANTED = [  # claims rows as claims.claims_table gives them; the last without the newer fields
+PLANTED = [ClaimRow(**r) for r in [  # claims rows as claims.claims_table gives them
     {"id": "qkmap.val", "paper": "QK-MAP", "claim": "lower validation loss than Standard attention",
      "status": "confirmatory", "measurement": "report-split loss, paired over seeds",
      "measured": "qkmap - none: -0.120",
@@ -133,10 +135,10 @@ PLANTED = [  # claims rows as claims.claims_table gives them; the last without t
      "status": "exploratory", "measurement": "report-split loss", "measured": "mla-quack - mla-none: -0.090",
      "verdict": "exploratory", "reason": "not registered", "verdict_old": "agree", "stats": None,
      "p_holm": float("nan"), "q_bh": float("nan"), "shows": "EXPLORATORY SHOWS"},
-    {"paper": "QuacK", "claim": "trains faster than QK-Norm", "measurement": "step time", "measured": "-",
-     "verdict": "not measurable", "reason": "benchmarks measure it", "verdict_old": "not measurable",
-     "stats": None, "p_holm": float("nan"), "q_bh": float("nan")},
-]
+    {"id": "quack.speed", "paper": "QuacK", "claim": "trains faster than QK-Norm", "status": "confirmatory",
+     "measurement": "step time", "measured": "-", "verdict": "not measurable", "reason": "benchmarks measure it",
+     "verdict_old": "not measurable", "stats": None, "p_holm": float("nan"), "q_bh": float("nan")},
+]]
 
 
 @pytest.fixture
@@ -145,9 +147,8 @@ def planted(tmp_path, monkeypatch):
     res = _write(tmp_path)
     cells = [[res / "qkmap_lr1_s0" / "result.json", res / "none_lr1_s0" / "result.json"],
              [res / "quack_lr2_s1" / "result.json"], [res / "mla-quack_lr1_s2" / "result.json"], None]
-    rows = [{**r, **({"cells": [str(p) for p in c]} if c else {})} for r, c in zip(PLANTED, cells, strict=True)]
-    monkeypatch.setattr(render, "claims_table", lambda groups, studies=None, registered_groups=None:
-                         [dict(r) for r in rows])
+    rows = [dataclasses.replace(r, cells=[str(p) for p in c]) if c else r for r, c in zip(PLANTED, cells, strict=True)]
+    monkeypatch.setattr(render, "claims_table", lambda groups, studies=None, registered_groups=None: list(rows))
     out = write_report([res], out=tmp_path / "rep")
     return out, (out / "report.md").read_text(), cells
 
@@ -158,8 +159,8 @@ def test_answers_open_the_report_with_the_registered_questions(planted):
     assert md.index("## What these results say") < md.index("### Registered questions") < md.index("## Results")
     assert md.index("## Results") < md.index("Claims\n") < md.index("The verdict rule\n")
     items = [ln for ln in answers.splitlines() if ln.startswith("- ")]
-    assert len(items) == 2  # the confirmatory ones only
-    first, second = items
+    assert len(items) == 3  # the confirmatory ones only
+    first, second, third = items
     assert first.startswith("- **QK-MAP: lower validation loss than Standard attention** (qkmap.val): **agree** "
                             "under the amended plan; **inconclusive** under the registered plan; ")
     assert "[qkmap - none: -0.120, 95% CI \\[-0.200, -0.040\\], n=8, Holm p 0.01](" in first
@@ -167,6 +168,8 @@ def test_answers_open_the_report_with_the_registered_questions(planted):
                           "*Limits:* Whether it holds at larger scale.")
     assert "[ratio 0.1, 95% CI \\[0.01, 1\\], n=6, Holm p 0.3](" in second and "**inconclusive**;" in second
     assert "*Shows:* Max logit ratio: Holm p = 0.3 is not below 0.05." in second  # from measurement and reason
+    assert third.startswith("- **QuacK: trains faster than QK-Norm** (quack.speed): **not measurable**; nothing "
+                            "measured.")
     assert "EXPLORATORY" not in md and "outperforms no intervention in the MLA setting" not in answers
 
 

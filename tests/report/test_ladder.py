@@ -40,7 +40,7 @@ def _ladder(tmp_path, widths=(64, 128, 256), point=lambda w: {"shape": w}):
                 c["cell"] = f"{v}_shape{w}_lr{m:g}_s{s}"
                 c["point"], c["config"]["model"]["d_model"] = point(w), w
                 write_json_atomic(res / c["cell"] / "result.json", c)
-    return analyze(*load_results([res]))["groups"]
+    return analyze(*load_results([res])).groups
 
 
 def test_gap_by_width_and_its_change(tmp_path):
@@ -76,7 +76,7 @@ def test_figures_give_each_width_its_own_panel(tmp_path, monkeypatch):
     holds that width's cells (the planted selection losses), and a method keeps one colour at every width."""
     from qklab.report import figures
 
-    data = figures.figure_data({"groups": _ladder(tmp_path)})
+    data = figures.figure_data(_ladder(tmp_path))
     sens = data["lr_sensitivity"]
     assert sorted(sens) == sorted(f"mha [shape={w}]" for w in (64, 128, 256))
     for w in (64, 128, 256):

@@ -92,7 +92,7 @@ def study(request):
 def groups(study):
     results, studies = load_results([RESULTS / study])
     assert len(results) == STUDIES[study]
-    return analyze(results, studies)["groups"]
+    return analyze(results, studies).groups
 
 
 @pytest.fixture(scope="module")
@@ -108,18 +108,18 @@ def test_published_chosen_rates_are_interior(study, groups):
         pytest.skip(f"{study} runs two fixed rates, not a rate sweep")
     for g in groups:
         if study == "logit_control_cpu":
-            assert g["chosen_lr"] == pytest.approx(3e-3), g["variant"]
-        sweep = g["sweep"]
+            assert g.chosen_lr == pytest.approx(3e-3), g.variant
+        sweep = g.sweep
         mults = sorted(sweep)
         if len(mults) == 1:
             continue
-        i = mults.index(g["chosen"])
-        best = sweep[g["chosen"]]["select"]["mean"]
-        assert sweep[mults[i + 1]]["select"]["mean"] > best, g["variant"]
-        if "qkclip" in g["variant"]:
+        i = mults.index(g.chosen)
+        best = sweep[g.chosen]["select"]["mean"]
+        assert sweep[mults[i + 1]]["select"]["mean"] > best, g.variant
+        if "qkclip" in g.variant:
             assert i == 0
         else:
-            assert i > 0 and sweep[mults[i - 1]]["select"]["mean"] > best, g["variant"]
+            assert i > 0 and sweep[mults[i - 1]]["select"]["mean"] > best, g.variant
 
 
 def test_committed_report_matches_the_code(study, rows):
@@ -150,9 +150,7 @@ def _rebuilt_tables(report: Path) -> tuple[dict, list, dict, list | None]:
     built from (``_named``)."""
     committed = json.loads(report.read_text())
     results, studies = _named(report, committed)
-    groups = analyze(results, studies)["groups"]
-    for g in groups:
-        g["multi"] = len(studies) > 1
+    groups = analyze(results, studies).groups
     return committed["tables"], groups, studies, registered_groups(results, studies)
 
 

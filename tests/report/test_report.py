@@ -194,7 +194,7 @@ def test_head_series_from_records_to_figure_data(tmp_path):
         c["head_series"] = hs if seed == 0 else {"diag": {"step": [0], "max_logit": [[[99.0]]],
                                                           "wq_norm": [[[1.0]]], "wk_norm": [[[1.0]]]}}
         write_json_atomic(res / c["cell"] / "result.json", c)
-    data = figure_data(analyze(*load_results([res])))
+    data = figure_data(analyze(*load_results([res])).groups)
     ml, w, q = (data[k]["mha"]["quack"] for k in ("head_max_logit", "head_w_norms", "quack_factors"))
     assert ml["seed"] == 0 and ml["step"] == [0, 10, 20, 30, 40]
     assert (ml["mean"][1], ml["lo"][1], ml["hi"][1]) == (7.5, 3.0, 21.0)  # of 11, 21, 3, 4
@@ -212,7 +212,7 @@ def test_stability_table_lists_every_rate_with_all_seeds(tmp_path):
         r = json.loads(f.read_text())
         r["spikes"] = s + 1
         write_json_atomic(f, r)
-    head, rows = stability_table(analyze(*load_results([res]))["groups"])
+    head, rows = stability_table(analyze(*load_results([res])).groups)
     row = {h: v for h, v in zip(head, next(r for r in rows if r[0] == "none" and "(x2)" in r[2]), strict=True)}
     sel = [5.2, 5.22, 5.19]  # every seed, the diverged one included
     mean = sum(sel) / 3
@@ -245,10 +245,10 @@ def test_width_gap_claim(tmp_path, growth, verdict):
                 c["cell"] = f"{variant}_shape{width}_lr1_s{s}"
                 c["point"], c["config"]["model"]["d_model"] = {"shape": width}, width
                 write_json_atomic(res / c["cell"] / "result.json", c)
-    row = next(r for r in claims_table(analyze(*load_results([res]))["groups"]) if "grows with width" in r["claim"])
-    assert row["verdict_old"] == verdict and row["verdict"] == "underpowered", row  # 3 seeds
-    assert f"64: {0.02:+.3f}" in row["measured"] and f"256: {0.02 + 2 * growth:+.3f}" in row["measured"]
-    assert "gap at width 64 - gap at width 256" in row["measured"]
+    row = next(r for r in claims_table(analyze(*load_results([res])).groups) if "grows with width" in r.claim)
+    assert row.verdict_old == verdict and row.verdict == "underpowered", row  # 3 seeds
+    assert f"64: {0.02:+.3f}" in row.measured and f"256: {0.02 + 2 * growth:+.3f}" in row.measured
+    assert "gap at width 64 - gap at width 256" in row.measured
 
 
 @pytest.mark.parametrize("mult_tau, verdict, note", [(0.1, "disagree", "same tau: 0.1"),
@@ -271,12 +271,12 @@ def test_multiplier_claim_pairs_quack_at_the_same_tau(tmp_path, mult_tau, verdic
             c = result(v, 1.0, s, loss + noise[s], loss + noise[s], controller=ctrl, study="m")
             c["config"]["qk"] = {"method": "none", "controller": ctrl, "options": {ctrl: {"tau": tau}}}
             write_json_atomic(res / c["cell"] / "result.json", c)
-    row = next(r for r in claims_table(analyze(*load_results([res]))["groups"])
-               if r["claim"] == "better than the fixed-multiplier ablation")
-    assert row["verdict_old"] == verdict and row["verdict"] == "underpowered", row
-    assert note in row["measured"]
+    row = next(r for r in claims_table(analyze(*load_results([res])).groups)
+               if r.claim == "better than the fixed-multiplier ablation")
+    assert row.verdict_old == verdict and row.verdict == "underpowered", row
+    assert note in row.measured
     want = "quack-t0.1 - multiplier" if mult_tau == 0.1 else "quack-t1 - multiplier"
-    assert row["measured"].startswith(want) and f"{(5.2 if mult_tau == 0.1 else 4.9) - 5.1:+.3f}" in row["measured"]
+    assert row.measured.startswith(want) and f"{(5.2 if mult_tau == 0.1 else 4.9) - 5.1:+.3f}" in row.measured
 
 
 def test_claims_pair_within_one_study_and_prefer_the_tuning_grid(tmp_path):
@@ -318,25 +318,25 @@ def test_claims_pair_within_one_study_and_prefer_the_tuning_grid(tmp_path):
         for v, method, contrast in (("none", "none", 1.0), ("qkmap", "qkmap", 1.5)):
             c = result(v, 1.0, s, 4.5 + n, 4.5 + n, method=method, study="qm", probe=probe(0.1, contrast + n))
             write_json_atomic(qm / c["cell"] / "result.json", c)
-    rows = {r["claim"]: r for r in claims_table(analyze(*load_results([lc, w, qm]))["groups"])}
+    rows = {r.claim: r for r in claims_table(analyze(*load_results([lc, w, qm])).groups)}
     grids = {k: t for k, t in json.loads((write_report([lc, w, qm], out=tmp_path / "rep") / "report.json")
                                          .read_text())["tables"].items() if k.startswith("grid")}
     assert list(grids) == ["grid lc", "grid qm", "grid w"] and grids["grid w"]["head"] == ["lr", "none", "quack"]
     assert [r[0] for r in grids["grid lc"]["rows"]] == ["0.001", "0.002", "0.004", "0.008"]
     r = rows["allows a higher base learning rate than no intervention (MHA)"]  # none diverged at x4
-    assert r["verdict"] == "agree" and "quack-b x8, none x2 (grid up to x8)" in r["measured"], r
+    assert r.verdict == "agree" and "quack-b x8, none x2 (grid up to x8)" in r.measured, r
     r = rows["stable where QK-clip diverges at high rates (MHA)"]  # clip-b has the better loss, clip-a the rate
-    assert r["verdict"] == "inconclusive" and "quack-b x8, clip-a x4" in r["measured"], r
-    assert r["reason"] == "clip-a did not run above x4"
+    assert r.verdict == "inconclusive" and "quack-b x8, clip-a x4" in r.measured, r
+    assert r.reason == "clip-a did not run above x4"
     r = rows["competitive with QK-Norm with MHA (not worse by more than 0.05 nats)"]
-    assert r["verdict"] == "not measurable"  # no qknorm here
+    assert r.verdict == "not measurable"  # no qknorm here
     r = rows["better than the fixed-multiplier ablation"]
-    assert r["verdict"] == "not measurable"
+    assert r.verdict == "not measurable"
     r = rows["keeps attention logits smaller than no intervention (MHA)"]  # from lc (20 vs 80), not w (50 vs 10),
-    assert r["verdict_old"] == "agree", r  # not quack-b, at x2: none diverged at x4, so x4 is not compared
-    assert r["measured"] == "quack / none at x2: 0.25, 95% CI [0.25, 0.25], n=3; by rate: x1 0.25, x2 0.25", r
+    assert r.verdict_old == "agree", r  # not quack-b, at x2: none diverged at x4, so x4 is not compared
+    assert r.measured == "quack / none at x2: 0.25, 95% CI [0.25, 0.25], n=3; by rate: x1 0.25, x2 0.25", r
     r = rows["stronger attention contrast on relevant evidence at long context"]  # qm's probes
-    assert r["verdict_old"] == "agree" and r["measured"].startswith("none - qkmap: -0.500"), r
+    assert r.verdict_old == "agree" and r.measured.startswith("none - qkmap: -0.500"), r
 
 
 def test_claims_take_the_rate_tuned_variant_not_a_one_rate_ablation(tmp_path):
@@ -357,10 +357,10 @@ def test_claims_take_the_rate_tuned_variant_not_a_one_rate_ablation(tmp_path):
         for v, method, m, sel, rep in cells:
             c = result(v, m, s, sel + n, rep + n + (0.02 * s if v == "none" else 0), method=method, study="qm")
             write_json_atomic(res / c["cell"] / "result.json", c)
-    rows = {r["claim"]: r for r in claims_table(analyze(*load_results([res]))["groups"])}
+    rows = {r.claim: r for r in claims_table(analyze(*load_results([res])).groups)}
     r = rows["lower validation loss than Standard attention"]
-    assert r["measured"].startswith("qkmap - none: -0.520"), r
-    assert r["verdict_old"] == "agree" and r["verdict"] == "underpowered"
+    assert r.measured.startswith("qkmap - none: -0.520"), r
+    assert r.verdict_old == "agree" and r.verdict == "underpowered"
 
 
 def test_claims_take_the_study_with_more_seeds_not_a_ladder_with_a_wider_grid(tmp_path):
@@ -383,9 +383,9 @@ def test_claims_take_the_study_with_more_seeds_not_a_ladder_with_a_wider_grid(tm
                     c = result(v, m, s, loss, loss, method=v, study=name)
                     write_json_atomic(res / c["cell"] / "result.json", c)
         dirs.append(res)
-    rows = {r["claim"]: r for r in claims_table(analyze(*load_results(dirs))["groups"])}
+    rows = {r.claim: r for r in claims_table(analyze(*load_results(dirs)).groups)}
     r = rows["lower validation loss than Standard attention"]
-    assert r["measured"].startswith("qkmap - none: -0.300") and "n=3" in r["measured"], r
+    assert r.measured.startswith("qkmap - none: -0.300") and "n=3" in r.measured, r
 
 
 def test_header_counts_finished_cells_from_the_study_file(tmp_path):
@@ -418,7 +418,7 @@ def _one_rate_groups(tmp_path, name: str, variants: tuple[str, ...], cells) -> l
     for s in (0, 1):
         for c in cells(s):
             write_json_atomic(res / c["cell"] / "result.json", c)
-    return analyze(*load_results([res]))["groups"]
+    return analyze(*load_results([res])).groups
 
 
 def test_a_gated_variant_is_not_standard_attention(tmp_path):
@@ -435,10 +435,10 @@ def test_a_gated_variant_is_not_standard_attention(tmp_path):
             yield c
 
     groups = _one_rate_groups(tmp_path, "g", ("none", "gate-head", "qkmap"), cells)
-    assert {g["variant"]: g["method"] for g in groups} == {"none": "none", "gate-head": "none+gate-head",
+    assert {g.variant: g.method for g in groups} == {"none": "none", "gate-head": "none+gate-head",
                                                            "qkmap": "qkmap"}
-    r = {r["claim"]: r for r in claims_table(groups)}["lower validation loss than Standard attention"]
-    assert r["measured"].startswith("qkmap - none: -0.29"), r
+    r = {r.claim: r for r in claims_table(groups)}["lower validation loss than Standard attention"]
+    assert r.measured.startswith("qkmap - none: -0.29"), r
 
 
 def test_per_head_muon_is_not_the_reference(tmp_path):
@@ -454,10 +454,10 @@ def test_per_head_muon_is_not_the_reference(tmp_path):
             yield c
 
     groups = _one_rate_groups(tmp_path, "m", ("none", "muon-per-head", "quack"), cells)
-    assert {g["variant"]: g["controller"] for g in groups} == {"none": "none", "muon-per-head": "muon-per-head-qk",
+    assert {g.variant: g.controller for g in groups} == {"none": "none", "muon-per-head": "muon-per-head-qk",
                                                                "quack": "quack"}
-    row = {r["claim"]: r for r in claims_table(groups)}["keeps attention logits smaller than no intervention (MHA)"]
-    assert row["measured"].startswith("quack / none at x1: 0.25"), row
+    row = {r.claim: r for r in claims_table(groups)}["keeps attention logits smaller than no intervention (MHA)"]
+    assert row.measured.startswith("quack / none at x1: 0.25"), row
 
 
 def _qkmap_study(tmp_path, seeds: int, effect: float = -0.1) -> list[dict]:
@@ -474,7 +474,7 @@ def _qkmap_study(tmp_path, seeds: int, effect: float = -0.1) -> list[dict]:
                             ("qkmap", 5.0 + effect + n, 0.1 + n / 10)):
             c = result(v, 1.0, s, loss, loss, method=v, first_token=ft, study="n")
             write_json_atomic(res / c["cell"] / "result.json", c)
-    return analyze(*load_results([res]))["groups"]
+    return analyze(*load_results([res])).groups
 
 
 def test_two_seed_claim_is_underpowered(tmp_path):
@@ -482,11 +482,11 @@ def test_two_seed_claim_is_underpowered(tmp_path):
     says; the old rule's verdict (the interval alone) stays beside it."""
     from qklab.report.claims import claims_table
 
-    rows = {r["claim"]: r for r in claims_table(_qkmap_study(tmp_path, 2, effect=-0.3))}
+    rows = {r.claim: r for r in claims_table(_qkmap_study(tmp_path, 2, effect=-0.3))}
     r = rows["lower validation loss than Standard attention"]
-    assert r["stats"]["n"] == 2 and r["stats"]["p_flip"] == pytest.approx(0.5)
-    assert r["verdict"] == "underpowered" and r["verdict_old"] == "agree", r
-    assert r["reason"].startswith("2 paired seeds: the exact sign-flip test needs 6"), r
+    assert r.stats["n"] == 2 and r.stats["p_flip"] == pytest.approx(0.5)
+    assert r.verdict == "underpowered" and r.verdict_old == "agree", r
+    assert r.reason.startswith("2 paired seeds: the exact sign-flip test needs 6"), r
 
 
 def test_new_rule_uses_holm_across_the_papers_claims(tmp_path):
@@ -496,18 +496,18 @@ def test_new_rule_uses_holm_across_the_papers_claims(tmp_path):
     from qklab.report.claims import claims_table
     from qklab.report.render import claims_rows
 
-    rows = {r["claim"]: r for r in claims_table(_qkmap_study(tmp_path, 6))}
-    fam = [r for r in rows.values() if r["stats"] is not None]
-    assert {r["paper"] for r in fam} == {"QK-MAP"} and len(fam) == 5
+    rows = {r.claim: r for r in claims_table(_qkmap_study(tmp_path, 6))}
+    fam = [r for r in rows.values() if r.stats is not None]
+    assert {r.paper for r in fam} == {"QK-MAP"} and len(fam) == 5
     r = rows["lower validation loss than Standard attention"]
-    assert r["stats"]["p_flip"] == pytest.approx(2 / 64) and r["p_holm"] == pytest.approx(5 * 2 / 64)
-    assert r["q_bh"] == pytest.approx(2 / 64)  # BH: m p(i) / i, all five at 2/64
-    assert r["verdict"] == "inconclusive" and r["verdict_old"] == "agree" and "Holm p = 0.156" in r["reason"], r
-    rows8 = {r["claim"]: r for r in claims_table(_qkmap_study(tmp_path, 8))}
+    assert r.stats["p_flip"] == pytest.approx(2 / 64) and r.p_holm == pytest.approx(5 * 2 / 64)
+    assert r.q_bh == pytest.approx(2 / 64)  # BH: m p(i) / i, all five at 2/64
+    assert r.verdict == "inconclusive" and r.verdict_old == "agree" and "Holm p = 0.156" in r.reason, r
+    rows8 = {r.claim: r for r in claims_table(_qkmap_study(tmp_path, 8))}
     r = rows8["lower validation loss than Standard attention"]
-    assert r["p_holm"] == pytest.approx(5 * 2 / 256) and r["verdict"] == "agree", r
+    assert r.p_holm == pytest.approx(5 * 2 / 256) and r.verdict == "agree", r
     r = rows8["lower validation loss than QK-Norm"]
-    assert r["verdict"] == "agree" and r["stats"]["df"] == 7, r
+    assert r.verdict == "agree" and r.stats["df"] == 7, r
     head, body = claims_rows(_qkmap_study(tmp_path, 8))
     row = next(b for b in body if b[1] == "lower validation loss than Standard attention")
     got = dict(zip(head, row, strict=True))

@@ -13,6 +13,7 @@ import pytest
 from qklab.cli import main
 from qklab.config import ConfigError
 from qklab.report.claims import claims_table, registered_results
+from qklab.study.analyze import Group
 from qklab.study.catalogue import CATALOGUE
 from qklab.study.plan import (
     amend,
@@ -150,9 +151,9 @@ def test_the_registered_plan_is_read_on_the_registered_designs_groups():
     first = _groups("p", [0.3, -0.25, 0.35, -0.3, 0.28, -0.32])  # the registered one: mixed signs
     a = parse_plan({"qkmap.val_vs_none": {}})
     sj = amend({"name": "p", "plan": {"claims": a}, "cells": ["x"]}, a, "grid", {"name": "p", "cells": ["x", "y"]})
-    r = {r["id"]: r for r in claims_table(now, {"p": sj}, first)}["qkmap.val_vs_none"]
-    assert r["amended"] and r["verdict"] == "agree" and r["verdict_registered"] == "inconclusive"
-    assert r["measured_registered"] != r["measured"]
+    r = {r.id: r for r in claims_table(now, {"p": sj}, first)}["qkmap.val_vs_none"]
+    assert r.amended and r.verdict == "agree" and r.verdict_registered == "inconclusive"
+    assert r.measured_registered != r.measured
 
 
 def test_before_any_result_the_plan_may_change_freely(tmp_path):
@@ -166,7 +167,7 @@ def test_before_any_result_the_plan_may_change_freely(tmp_path):
         amend({"name": "p"}, parse_plan({"qkmap.val_vs_none": {}}), " ")
 
 
-def _groups(study: str, diffs: list[float]) -> list[dict]:
+def _groups(study: str, diffs: list[float]) -> list[Group]:
     """Planted analysis groups of qkmap and none in one study: report losses differing by ``diffs``."""
     def group(variant, method, losses):
         at = {k: {} for k in ("report_loss", "train_loss", "max_logit", "first_token")}
@@ -174,9 +175,8 @@ def _groups(study: str, diffs: list[float]) -> list[dict]:
         sweep = {1.0: {"select": {"mean": 4.0}, "n": len(losses), "diverged": 0, "failed": 0}}
         cells = {1.0: [{"seed": s, "cell": f"{variant}_s{s}", "path": f"/r/{variant}_s{s}/result.json"}
                        for s in range(len(losses))]}
-        return {"study": study, "variant": variant, "point": "", "attention": "mha", "method": method,
-                "controller": "none", "chosen": 1.0, "sweep": sweep, "cells": cells, "at_chosen": at,
-                "probe_by_seed": {}, "highest_stable": 1.0, "qk_options": {}}
+        return Group(study=study, variant=variant, point="", attention="mha", method=method, controller="none",
+                     chosen=1.0, sweep=sweep, cells=cells, at_chosen=at, highest_stable=1.0)
     return [group("qkmap", "qkmap", [4.0 + d for d in diffs]), group("none", "none", [4.0] * len(diffs))]
 
 
@@ -184,16 +184,16 @@ def test_report_reads_registered_claims_as_confirmatory_and_the_rest_as_explorat
     groups = _groups("p", [-0.3, -0.25, -0.35, -0.3, -0.28, -0.32])
     plan = {"qkmap.val_vs_none": parse_plan({"qkmap.val_vs_none": {}})["qkmap.val_vs_none"]}
     studies = {"p": {"name": "p", "plan": {"claims": plan}}}
-    rows = {r["id"]: r for r in claims_table(groups, studies)}
+    rows = {r.id: r for r in claims_table(groups, studies)}
     r = rows["qkmap.val_vs_none"]
-    assert r["status"] == "confirmatory" and r["verdict"] == "agree"  # 6 seeds, all below: p = 2/64, alone
-    assert r["p_holm"] == pytest.approx(2 / 64)
-    assert sorted(r["cells"]) == sorted(f"/r/{v}_s{s}/result.json" for v in ("qkmap", "none") for s in range(6))
+    assert r.status == "confirmatory" and r.verdict == "agree"  # 6 seeds, all below: p = 2/64, alone
+    assert r.p_holm == pytest.approx(2 / 64)
+    assert sorted(r.cells) == sorted(f"/r/{v}_s{s}/result.json" for v in ("qkmap", "none") for s in range(6))
     e = rows["qkmap.train_vs_none"]
-    assert e["status"] == "exploratory" and e["verdict"] == "exploratory"
-    assert not {"agree", "disagree", "inconclusive"} & set(e["reason"].split())
+    assert e.status == "exploratory" and e.verdict == "exploratory"
+    assert not {"agree", "disagree", "inconclusive"} & set(e.reason.split())
     # with nothing registered every claim is exploratory
-    assert {r["verdict"] for r in claims_table(groups, {"p": {"name": "p"}})} == {"exploratory"}
+    assert {r.verdict for r in claims_table(groups, {"p": {"name": "p"}})} == {"exploratory"}
 
 
 def test_amended_plan_is_marked_with_both_verdicts():
@@ -201,9 +201,9 @@ def test_amended_plan_is_marked_with_both_verdicts():
     a = parse_plan({"qkmap.val_vs_none": {}})
     b = parse_plan({"alpha": 0.01, "qkmap.val_vs_none": {}})  # 2/64 = 0.031 is not below 0.01
     sj = amend({"name": "p", "plan": {"claims": a}}, b, "stricter")
-    r = {r["id"]: r for r in claims_table(groups, {"p": sj})}["qkmap.val_vs_none"]
-    assert r["amended"] and r["verdict_registered"] == "agree"
-    assert r["verdict"] == "underpowered"  # alpha 0.01 needs 8 seeds (2/2^n < 0.01)
+    r = {r.id: r for r in claims_table(groups, {"p": sj})}["qkmap.val_vs_none"]
+    assert r.amended and r.verdict_registered == "agree"
+    assert r.verdict == "underpowered"  # alpha 0.01 needs 8 seeds (2/2^n < 0.01)
 
 
 def test_a_family_the_seeds_cannot_resolve_is_named():

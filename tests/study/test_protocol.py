@@ -47,23 +47,23 @@ def test_selection_never_reads_the_report_split():
     for r in rs:
         r["final"] = Watched(r["cell"], r["final"])
     a = analyze(rs, STUDY)
-    g = next(g for g in a["groups"] if g["variant"] == "map")
-    assert g["chosen"] == 1.0 and g["stats"]["report_loss"]["mean"] == pytest.approx(5.3)
+    g = next(g for g in a.groups if g.variant == "map")
+    assert g.chosen == 1.0 and g.stats["report_loss"]["mean"] == pytest.approx(5.3)
     report_reads = {c for c, k in Watched.reads if k == "report_loss"}
     assert report_reads and all("_lr1_" in c for c in report_reads)  # never at the rate not chosen
     # paired against the reference on the same seeds: map - std = 5.3 - (5.1 + 0.01 s)
-    d = g["paired"]["report_loss"]
+    d = g.paired["report_loss"]
     assert d["n"] == 3 and d["mean"] == pytest.approx(0.19) and d["seeds"] == [0, 1, 2]
 
 
 def test_diverged_and_failed_cells_in_the_sweep():
     rs = [result("std", m, s, 5.0 / m, 5.0, diverged=(m == 4.0 and s == 1)) for m in (1.0, 2.0, 4.0) for s in (0, 1)]
     rs.append(result("std", 8.0, 0, 0, 0, failed=True))
-    g = analyze(rs, STUDY)["groups"][0]
-    assert g["chosen"] == 2.0  # x4 is better on average but a seed diverged; x8 failed
-    assert g["highest_stable"] == 2.0
-    assert g["sweep"][4.0]["diverged"] == 1 and g["sweep"][8.0]["failed"] == 1
-    assert g["failed"] == [{"cell": "std_lr8_s0", "failure": "KeyError: planted", "log": "logs/std.log"}]
+    g = analyze(rs, STUDY).groups[0]
+    assert g.chosen == 2.0  # x4 is better on average but a seed diverged; x8 failed
+    assert g.highest_stable == 2.0
+    assert g.sweep[4.0]["diverged"] == 1 and g.sweep[8.0]["failed"] == 1
+    assert g.failed == [{"cell": "std_lr8_s0", "failure": "KeyError: planted", "log": "logs/std.log"}]
 
 
 def test_grid_points_are_labelled_by_their_keys_and_ordered_by_value():
@@ -75,6 +75,6 @@ def test_grid_points_are_labelled_by_their_keys_and_ordered_by_value():
             r = result("none", 1.0, s, 4.0 + d / 1000, 4.0)
             r["point"] = {"shape": {"model.d_model": d, "model.n_heads": h}}
             rs.append(r)
-    groups = analyze(rs, {})["groups"]
-    assert [g["point"] for g in groups] == ["d_model=64,n_heads=1", "d_model=128,n_heads=2", "d_model=256,n_heads=4"]
-    assert [round(g["sweep"][1.0]["select"]["mean"], 3) for g in groups] == [4.064, 4.128, 4.256]
+    groups = analyze(rs, {}).groups
+    assert [g.point for g in groups] == ["d_model=64,n_heads=1", "d_model=128,n_heads=2", "d_model=256,n_heads=4"]
+    assert [round(g.sweep[1.0]["select"]["mean"], 3) for g in groups] == [4.064, 4.128, 4.256]

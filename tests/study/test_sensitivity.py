@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from qklab.study.analyze import Group
 from qklab.study.catalogue import CATALOGUE
 from qklab.study.sensitivity import group_sensitivity, group_size, lr_sensitivity, non_embedding, slope, trend
 
@@ -41,7 +42,7 @@ def test_trend_by_hand():
     assert tl.by_seed == pytest.approx({0: 1.0, 1: 2.0}) and tl.at(1e4)[0] == pytest.approx(10 ** 5.5)
 
 
-def _group(variant: str, method: str, controller: str, i: int, losses, logits=None) -> dict:
+def _group(variant: str, method: str, controller: str, i: int, losses, logits=None) -> Group:
     """A planted analysed group at width 64 * 2^i, non-embedding size 10^(5 + i), two rates 1e-3 and 2e-3;
     losses(seed) -> the report losses at those rates."""
     d = 64 * 2 ** i
@@ -50,12 +51,12 @@ def _group(variant: str, method: str, controller: str, i: int, losses, logits=No
         for m, v in zip((1.0, 2.0), (logits or (lambda s: (1.0, 1.0)))(s), strict=True):
             sweep[m]["max_logit_by_seed"][s] = v
     grid = {m: {s: losses(s)[k] for s in range(3)} for k, m in enumerate((1.0, 2.0))}
-    return {"study": "planted", "variant": variant, "attention": "mha", "method": method, "controller": controller,
-            "d_model": d, "n_params": 10 ** (5 + i) + 4096 * d, "vocab_size": 4096, "tie_embeddings": True,
-            "sweep": sweep, "cells": {}, "grid_final": {"report_loss": grid}, "chosen": 1.0}
+    return Group(study="planted", variant=variant, point=f"d_model={d}", attention="mha", method=method,
+                 controller=controller, d_model=d, n_params=10 ** (5 + i) + 4096 * d, vocab_size=4096,
+                 tie_embeddings=True, sweep=sweep, chosen=1.0, grid_final={"report_loss": grid})
 
 
-def _planted() -> list[dict]:
+def _planted() -> list[Group]:
     gs = []
     for i in range(3):
         # none: sensitivity (0 + 0.5 (i + 1) + 0.1 s) / 2, slope 0.25 per decade at every seed; max logit
@@ -116,18 +117,18 @@ def test_scale_claims_listed_where_registered_and_holm_on_the_t_test(monkeypatch
     plan = parse_plan({"scale.qknorm_sensitivity": {}, "scale.quack_sensitivity": {},
                        "scale.control_logit_rate": {}})
     assert all(p["test"] == "t" and p["family"] == "Scale" for p in plan.values())
-    rows = {r["id"]: r for r in claims_table(gs, {"planted": {"plan": {"claims": plan}}})}
+    rows = {r.id: r for r in claims_table(gs, {"planted": {"plan": {"claims": plan}}})}
     assert "scale.qkmap_sensitivity" not in rows  # not registered: not listed
     # Holm over the three t-test p-values, by hand: quack 0 (no spread); the logit slope 0.4, 0.5, 0.6 (t = 5
     # sqrt 3 at 2 df); qknorm 0.0202 (above); sorted 0 < p_logit < p_qknorm: x3, x2, x1, running maximum
     t = 5 * math.sqrt(3)
     p_logit = 1 - t / math.sqrt(2 + t * t)
     p_qknorm = 1 - 4 * math.sqrt(3) / math.sqrt(2 + 48)
-    assert rows["scale.control_logit_rate"]["p_holm"] == pytest.approx(2 * p_logit)
-    assert rows["scale.quack_sensitivity"]["p_holm"] == 0.0
-    assert rows["scale.qknorm_sensitivity"]["p_holm"] == pytest.approx(max(2 * p_logit, p_qknorm))
-    assert all(rows[c]["verdict"] == "agree" for c in rows)  # every Holm p below 0.05, every interval one side
-    none = [r for r in claims_table(gs, {"planted": {"plan": {"claims": {}}}}) if r["id"].startswith("scale.")]
+    assert rows["scale.control_logit_rate"].p_holm == pytest.approx(2 * p_logit)
+    assert rows["scale.quack_sensitivity"].p_holm == 0.0
+    assert rows["scale.qknorm_sensitivity"].p_holm == pytest.approx(max(2 * p_logit, p_qknorm))
+    assert all(rows[c].verdict == "agree" for c in rows)  # every Holm p below 0.05, every interval one side
+    none = [r for r in claims_table(gs, {"planted": {"plan": {"claims": {}}}}) if r.id.startswith("scale.")]
     assert none == []
 
 
@@ -136,7 +137,7 @@ def test_scale_tables_by_hand():
 
     gs = _planted()
     for g in gs:  # the selection split as the report split: the lower rate is every seed's tuned rate
-        g["grid_final"]["val_loss"] = g["grid_final"]["report_loss"]
+        g.grid_final["val_loss"] = g.grid_final["report_loss"]
     rows = method_scales(gs)
     assert [r.variant for r in rows] == ["none", "qknorm", "quack-t1"]
     head, body = scale_sensitivity_table(rows)

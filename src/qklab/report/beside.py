@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from qklab.report.claim_row import ClaimRow
+
 Table = tuple[list[str], list[list[str]]]
 
 CORPUS_NAMES = {"pystdlib": "Python source", "english": "natural English"}
@@ -22,46 +24,46 @@ def corpus_label(results: list[dict[str, Any]], short: bool = False) -> str:
     return " + ".join(n if short or s is None else f"{n} (`{s}`)" for n, s in names) or "no corpus"
 
 
-def _test(r: dict[str, Any] | None) -> str:
+def _test(r: ClaimRow | None) -> str:
     """n, the test and its family-adjusted p, in a few words."""
     if r is None:
         return "-"
-    st = r.get("stats")
+    st = r.stats
     if st is None:
-        return "grid rule" if r.get("measured", "-") != "-" else "-"
-    holm = r.get("p_holm", math.nan)
+        return "grid rule" if r.measured != "-" else "-"
+    holm = r.p_holm
     adj = f", Holm p {holm:.3g}" if isinstance(holm, float) and math.isfinite(holm) else ""
     return f"n={st['n']}, sign-flip p {st['p_flip']:.3g}{adj}"
 
 
-def _verdict(r: dict[str, Any] | None) -> str:
+def _verdict(r: ClaimRow | None) -> str:
     """The verdict by the current rule (bold); for an amended plan, the registered plan's beside it. A claim
     the set did not register is 'exploratory' where its cells measure it and 'not run' where they do not."""
     if r is None:
         return "not run"
-    if r.get("status") != "confirmatory":
-        return "exploratory" if r.get("measured", "-") != "-" else "not run"
-    v = f"**{r['verdict']}**"
-    if r.get("amended") and r.get("verdict_registered") not in (None, r["verdict"]):
-        v += f" (registered plan: {r['verdict_registered']})"
+    if r.status != "confirmatory":
+        return "exploratory" if r.measured != "-" else "not run"
+    v = f"**{r.verdict}**"
+    if r.amended and r.verdict_registered not in (None, r.verdict):
+        v += f" (registered plan: {r.verdict_registered})"
     return v
 
 
-def beside_table(here: list[dict[str, Any]], there: list[dict[str, Any]], here_label: str,
+def beside_table(here: list[ClaimRow], there: list[ClaimRow], here_label: str,
                  there_label: str) -> Table:
     """One row per claim registered (confirmatory) in either claims table (``claims.claims_table`` rows):
     its verdict, measurement and test on each, and the other set's verdict by the old rule."""
-    by_id = {r["id"]: r for r in there}
+    by_id = {r.id: r for r in there}
     head = ["paper", "claim", f"verdict, {here_label}", f"measured, {here_label}", f"n and test, {here_label}",
             f"verdict, {there_label}", f"measured, {there_label}", f"n and test, {there_label}",
             f"old rule, {there_label}"]
     body = []
     for r in here:
-        o = by_id.get(r["id"])
-        if "confirmatory" not in (r.get("status"), (o or {}).get("status")):
+        o = by_id.get(r.id)
+        if "confirmatory" not in (r.status, o.status if o else None):
             continue
-        body.append([r["paper"], r["claim"], _verdict(r), r["measured"], _test(r), _verdict(o),
-                     o["measured"] if o else "-", _test(o), o["verdict_old"] if o else "-"])
+        body.append([r.paper, r.claim, _verdict(r), r.measured, _test(r), _verdict(o),
+                     o.measured if o else "-", _test(o), o.verdict_old if o else "-"])
     return head, body
 
 

@@ -9,9 +9,13 @@ comparison.
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from typing import Any
 
 from qklab.report import controls
+from qklab.report.claim_row import ClaimRow
+from qklab.study.analyze import Group
 from qklab.study.catalogue import CATALOGUE, T_TEST
 from qklab.study.measures import NOT_MEASURABLE, as_ratio
 from qklab.study.plan import design, registered_design, registered_plan, stored_plan
@@ -111,20 +115,19 @@ def _scope(kind: str, p: dict) -> tuple[str, str]:
     return ("Nothing: study cells cannot measure it.", "See the reason.")
 
 
-def _row(cid: str, groups: list[dict], p: dict, study: str | None, registered: bool) -> dict[str, Any]:
+def _row(cid: str, groups: list[Group], p: dict, study: str | None, registered: bool) -> ClaimRow:
     claim = CATALOGUE[cid]
-    here = [g for g in groups if g["study"] == study] if study else groups
+    here = [g for g in groups if g.study == study] if study else groups
     m = claim.measure(here, p)
     shows, not_shows = _scope(claim.kind, p)
-    return {"id": cid, "paper": claim.paper, "claim": claim.text_for(p), "measurement": claim.measurement,
-            "measured": m.measured, "verdict_old": m.verdict, "reason_old": m.reason, "stats": m.stats,
-            "p_holm": float("nan"), "q_bh": float("nan"), "params": p, "study": study,
-            "family": p.get("family") or claim.paper, "alpha": p.get("alpha", ALPHA),
-            "status": "confirmatory" if registered else "exploratory",
-            "cells": list(m.cells), "shows": shows, "not_shows": not_shows}
+    return ClaimRow(id=cid, paper=claim.paper, claim=claim.text_for(p), measurement=claim.measurement,
+                    measured=m.measured, verdict_old=m.verdict, reason_old=m.reason, stats=m.stats, params=p,
+                    study=study, family=p.get("family") or claim.paper, alpha=p.get("alpha", ALPHA),
+                    status="confirmatory" if registered else "exploratory", cells=list(m.cells), shows=shows,
+                    not_shows=not_shows)
 
 
-def _table(groups: list[dict], plans: dict[str, dict] | None) -> list[dict[str, Any]]:
+def _table(groups: list[Group], plans: dict[str, dict] | None) -> list[ClaimRow]:
     """One row per catalogue claim. ``plans`` (study -> its registered plan, or None): a claim registered
     by a study is read on that study's groups with its parameters (confirmatory); else on every group with
     the catalogue's parameters (exploratory). ``plans`` None: every claim as if registered by default."""
@@ -134,27 +137,28 @@ def _table(groups: list[dict], plans: dict[str, dict] | None) -> list[dict[str, 
         if not regs and CATALOGUE[cid].own:  # listed where registered
             continue
         if regs:
-            rows.append(_row(cid, groups, regs[0][1], regs[0][0], True))
-            rows[-1]["also_registered_by"] = [s for s, _ in regs[1:]]
+            rows.append(replace(_row(cid, groups, regs[0][1], regs[0][0], True),
+                                also_registered_by=[s for s, _ in regs[1:]]))
         else:
             rows.append(_row(cid, groups, CATALOGUE[cid].params(), None, plans is None))
-    for family in dict.fromkeys(r["family"] for r in rows):
-        fam = [r for r in rows if r["family"] == family and r["stats"] is not None and r["status"] == "confirmatory"]
-        ps = [r["stats"]["p" if r["params"].get("test") == T_TEST else "p_flip"] for r in fam]
-        for r, h, q in zip(fam, holm(ps), benjamini_hochberg(ps), strict=True):
-            r["p_holm"], r["q_bh"] = h, q
+    adjusted: dict[str, tuple[float, float]] = {}  # claim id -> (Holm p, BH q) within its family
+    for family in dict.fromkeys(r.family for r in rows):
+        fam = [r for r in rows if r.family == family and r.stats is not None and r.status == "confirmatory"]
+        ps = [r.stats["p" if r.params.get("test") == T_TEST else "p_flip"] for r in fam]
+        adjusted |= {r.id: (h, q) for r, h, q in zip(fam, holm(ps), benjamini_hochberg(ps), strict=True)}
+    out = []
     for r in rows:
-        if r["status"] == "exploratory":
-            r["verdict"] = "exploratory"
-            r["reason"] = "not registered in any study's [claims]: the numbers describe, they do not test"
+        h, q = adjusted.get(r.id, (math.nan, math.nan))
+        if r.status == "exploratory":
+            verdict = ("exploratory", "not registered in any study's [claims]: the numbers describe, they do not test")
         else:
-            r["verdict"], r["reason"] = _new_verdict(r["verdict_old"], r["reason_old"], r["stats"], r["p_holm"],
-                                                     r["alpha"], r["params"].get("test"))
-    return controls.gate(rows)
+            verdict = _new_verdict(r.verdict_old, r.reason_old, r.stats, h, r.alpha, r.params.get("test"))
+        out.append(replace(r, p_holm=h, q_bh=q, verdict=verdict[0], reason=verdict[1]))
+    return controls.gate(out)
 
 
-def claims_table(groups: list[dict[str, Any]], studies: dict[str, dict] | None = None,
-                 registered_groups: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+def claims_table(groups: list[Group], studies: dict[str, dict] | None = None,
+                 registered_groups: list[Group] | None = None) -> list[ClaimRow]:
     """One row per claim: verdict and reason by VERDICT_RULE, the old rule's verdict (verdict_old), and the
     statistics of a paired claim (stats: None for the others) with its family's Holm and BH adjustments
     of the sign-flip p-value (p_holm, q_bh), the result files it read (cells), its status (confirmatory:
@@ -171,13 +175,10 @@ def claims_table(groups: list[dict[str, Any]], studies: dict[str, dict] | None =
     amended = {name for name, s in studies.items() if s.get("plan_history")}
     if amended:
         first = {name: registered_plan(s) if name in amended else now[name] for name, s in studies.items()}
-        before = {r["id"]: r for r in _table(groups if registered_groups is None else registered_groups, first)}
-        for r in rows:
-            b = before[r["id"]]
-            if r["study"] in amended or b["study"] in amended:
-                r["amended"] = True
-                r["verdict_registered"], r["reason_registered"] = b["verdict"], b["reason"]
-                r["measured_registered"] = b["measured"]
+        before = {r.id: r for r in _table(groups if registered_groups is None else registered_groups, first)}
+        rows = [replace(r, amended=True, verdict_registered=b.verdict, reason_registered=b.reason,
+                        measured_registered=b.measured) if r.study in amended or b.study in amended else r
+                for r in rows for b in [before[r.id]]]
     return rows
 
 

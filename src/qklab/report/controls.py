@@ -11,10 +11,11 @@ nothing about whether a method helps them find it. Its Holm adjustment is left a
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
 
+from qklab.report.claim_row import ClaimRow
 from qklab.study.catalogue import CATALOGUE
-from qklab.study.measures import HOLDS
+from qklab.study.measures import HOLDS, NOT_MEASURABLE
 
 
 def scope(p: dict) -> tuple[str, str]:
@@ -23,16 +24,14 @@ def scope(p: dict) -> tuple[str, str]:
             "It tests no method against another; it decides whether the study's claims can be read.")
 
 
-def _is_control(r: dict[str, Any]) -> bool:
-    return CATALOGUE[r["id"]].kind == "control"
+def _is_control(r: ClaimRow) -> bool:
+    return CATALOGUE[r.id].kind == "control"
 
 
-def gate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def gate(rows: list[ClaimRow]) -> list[ClaimRow]:
     """Every confirmatory row of a study whose registered control does not hold: not measurable."""
-    failed = {r["study"]: f"the registered positive control did not hold ({r['claim']}: {r['measured']}; "
-                          f"{r['reason']}), so the claim cannot be read on these models"
-              for r in rows if _is_control(r) and r["status"] == "confirmatory" and r["verdict"] != HOLDS}
-    for r in rows:
-        if r["study"] in failed and r["status"] == "confirmatory" and not _is_control(r):
-            r["verdict"], r["reason"] = "not measurable", failed[r["study"]]
-    return rows
+    failed = {r.study: f"the registered positive control did not hold ({r.claim}: {r.measured}; "
+                       f"{r.reason}), so the claim cannot be read on these models"
+              for r in rows if _is_control(r) and r.status == "confirmatory" and r.verdict != HOLDS}
+    return [replace(r, verdict=NOT_MEASURABLE, reason=failed[r.study])
+            if r.study in failed and r.status == "confirmatory" and not _is_control(r) else r for r in rows]

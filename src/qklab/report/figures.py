@@ -1,6 +1,6 @@
 """The data behind every figure of a report, and the figures drawn from that data (matplotlib, Agg).
 
-``figure_data(analysis)`` returns plain series (checked by the tests, committed as ``report.json``);
+``figure_data(groups)`` returns plain series (checked by the tests, committed as ``report.json``);
 ``draw(data, out)`` only draws them, so what a figure shows is exactly what the data says.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from qklab.study.analyze import natural_key
+from qklab.study.analyze import Group, natural_key
 from qklab.study.result import num
 
 
@@ -36,7 +36,7 @@ def _band(curves: list[dict[str, list]], key: str) -> dict[str, list[float]]:
                 "lo": np.nanmin(y, axis=0).tolist(), "hi": np.nanmax(y, axis=0).tolist(), "n": len(curves)}
 
 
-def figure_data(analysis: dict[str, Any]) -> dict[str, Any]:
+def figure_data(groups: list[Group]) -> dict[str, Any]:
     """Series per figure, keyed by panel then variant. A panel is an attention type ('mha', 'mla'); in a
     report of several studies it is a study and attention type ('qkmap_cpu: mha'), since studies differ in
     optimizer, schedule and length and their curves do not share axes; and a grid point (a width of a
@@ -46,32 +46,32 @@ def figure_data(analysis: dict[str, Any]) -> dict[str, Any]:
                             "max_logit": {},
                             "logit_change": {}, "first_token": {}, "probes": {}, "head_max_logit": {},
                             "head_w_norms": {}, "quack_factors": {}}
-    for g in analysis["groups"]:
-        att, label = _panel(g), g["variant"]
-        data["val_curves"].setdefault(att, {})[label] = _band([c["val"] for c in g["curves"]], "val_loss")
-        data["train_curves"].setdefault(att, {})[label] = _band([c["train"] for c in g["curves"]], "loss")
-        data["max_logit"].setdefault(att, {})[label] = _band([c["max_logit"] for c in g["curves"]], "max_logit")
+    for g in groups:
+        att, label = _panel(g), g.variant
+        data["val_curves"].setdefault(att, {})[label] = _band([c["val"] for c in g.curves], "val_loss")
+        data["train_curves"].setdefault(att, {})[label] = _band([c["train"] for c in g.curves], "loss")
+        data["max_logit"].setdefault(att, {})[label] = _band([c["max_logit"] for c in g.curves], "max_logit")
         data["logit_change"].setdefault(att, {})[label] = _band(
-            [c["logit_change"] for c in g["curves"]], "logit_change_mean")
-        mults = sorted(g["sweep"])
+            [c["logit_change"] for c in g.curves], "logit_change_mean")
+        mults = sorted(g.sweep)
         data["lr_sensitivity"].setdefault(att, {})[label] = {
-            "lr": [g["sweep"][m]["lr"] for m in mults], "lr_mult": mults,
-            "mean": [g["sweep"][m]["select"]["mean"] for m in mults],
-            "std": [g["sweep"][m]["select"]["std"] for m in mults],
-            "diverged": [g["sweep"][m]["diverged"] for m in mults], "n": [g["sweep"][m]["n"] for m in mults],
-            "chosen_lr": g["chosen_lr"]}
+            "lr": [g.sweep[m]["lr"] for m in mults], "lr_mult": mults,
+            "mean": [g.sweep[m]["select"]["mean"] for m in mults],
+            "std": [g.sweep[m]["select"]["std"] for m in mults],
+            "diverged": [g.sweep[m]["diverged"] for m in mults], "n": [g.sweep[m]["n"] for m in mults],
+            "chosen_lr": g.chosen_lr}
         data["logit_by_rate"].setdefault(att, {})[label] = {  # every finished seed, diverged ones included
-            "lr": [g["sweep"][m]["lr"] for m in mults], "lr_mult": mults,
-            "mean": [g["sweep"][m]["max_logit"]["mean"] for m in mults],
-            "std": [g["sweep"][m]["max_logit"]["std"] for m in mults],
-            "diverged": [g["sweep"][m]["diverged"] for m in mults], "n": [g["sweep"][m]["n"] for m in mults]}
-        ft = g["stats"]["first_token"]
+            "lr": [g.sweep[m]["lr"] for m in mults], "lr_mult": mults,
+            "mean": [g.sweep[m]["max_logit"]["mean"] for m in mults],
+            "std": [g.sweep[m]["max_logit"]["std"] for m in mults],
+            "diverged": [g.sweep[m]["diverged"] for m in mults], "n": [g.sweep[m]["n"] for m in mults]}
+        ft = g.stats["first_token"]
         data["first_token"].setdefault(att, {})[label] = {
-            "mean": ft["mean"], "std": ft["std"], "n": ft["n"], "uniform": uniform_first_token(g["seq_len"] or 0)}
-        if g["probe_by_seed"]:
-            data["probes"].setdefault(att, {})[label] = _probe_series(list(g["probe_by_seed"].values()))
-        if g.get("head_series"):  # the lowest seed's run at the chosen rate: its heads' spread over time
-            seed, hs = min(g["head_series"], key=lambda x: x[0])
+            "mean": ft["mean"], "std": ft["std"], "n": ft["n"], "uniform": uniform_first_token(g.seq_len or 0)}
+        if g.probe_by_seed:
+            data["probes"].setdefault(att, {})[label] = _probe_series(list(g.probe_by_seed.values()))
+        if g.head_series:  # the lowest seed's run at the chosen rate: its heads' spread over time
+            seed, hs = min(g.head_series, key=lambda x: x[0])
             d = hs["diag"]
             data["head_max_logit"].setdefault(att, {})[label] = _head_band(d["step"], d["max_logit"], seed)
             wqk = [None if a is None or b is None else (np.asarray(a, float) * np.asarray(b, float)).tolist()
@@ -93,16 +93,16 @@ def _head_band(steps: list[int], values: list, seed: int) -> dict[str, Any]:
             "seed": seed, "heads": int(keep[0][1].size) if keep else 0}
 
 
-def variant_name(g: dict[str, Any]) -> str:
+def variant_name(g: Group) -> str:
     """A group's name within its study: the variant and its grid point (table rows and columns)."""
-    return g["variant"] + (f" [{g['point']}]" if g["point"] else "")
+    return g.variant + (f" [{g.point}]" if g.point else "")
 
 
-def _panel(g: dict[str, Any]) -> str:
+def _panel(g: Group) -> str:
     """A group's figure panel: its attention type, prefixed by its study in a multi-study report and
     followed by its grid point, if any."""
-    key = f"{g['study']}: {g['attention']}" if g.get("multi") else g["attention"]
-    return f"{key} [{g['point']}]" if g["point"] else key
+    key = f"{g.study}: {g.attention}" if g.multi else g.attention
+    return f"{key} [{g.point}]" if g.point else key
 
 
 def _panel_title(key: str) -> str:

@@ -7,35 +7,35 @@ from __future__ import annotations
 
 from typing import Any
 
-from qklab.study.analyze import grid_edge
+from qklab.study.analyze import Group, grid_edge
 from qklab.study.sensitivity import width_ladders
 from qklab.study.stats import fmt_ci, paired_difference
 
 Table = tuple[list[str], list[list[str]]]
 
 
-def _rate(g: dict[str, Any]) -> str:
+def _rate(g: Group) -> str:
     """A group's chosen rate multiple, marked at an end of its grid: 'x2', 'x4 top', 'none eligible'."""
-    ch = g["chosen"]
-    return "none eligible" if ch is None else f"x{ch:g}" + grid_edge(ch, g["sweep"]).replace(", ", " ").replace(
+    ch = g.chosen
+    return "none eligible" if ch is None else f"x{ch:g}" + grid_edge(ch, g.sweep).replace(", ", " ").replace(
         " of grid", "")
 
 
-def gaps(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def gaps(groups: list[Group]) -> list[dict[str, Any]]:
     """One entry per (study, variant other than its reference): width -> {seed: reference - variant report
     loss} with both chosen rates, and the change of the gap from the narrowest width to the widest
     (``paired_difference``: widest minus narrowest, over the seeds both have)."""
     rows = []
     for study, variants in sorted(width_ladders(groups).items()):
         for variant, by_w in variants.items():
-            ref_name = next(iter(by_w.values())).get("reference")
+            ref_name = next(iter(by_w.values())).reference
             ref = variants.get(ref_name or "")
             if not ref or variant == ref_name:
                 continue
             widths = sorted(w for w in by_w if w in ref)
             per_w = {}
             for w in widths:
-                a, b = ref[w]["at_chosen"]["report_loss"], by_w[w]["at_chosen"]["report_loss"]
+                a, b = ref[w].at_chosen["report_loss"], by_w[w].at_chosen["report_loss"]
                 per_w[w] = {"gap": paired_difference(a, b), "by_seed": {s: a[s] - b[s] for s in a.keys() & b},
                             "rates": f"{_rate(by_w[w])} vs {_rate(ref[w])}"}
             change = (paired_difference(per_w[widths[-1]]["by_seed"], per_w[widths[0]]["by_seed"])
@@ -45,7 +45,7 @@ def gaps(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def ladder_table(groups: list[dict[str, Any]]) -> Table:
+def ladder_table(groups: list[Group]) -> Table:
     """Rows of ``gaps``: the gap at each width (mean, 95% t-interval, the variant's and the reference's
     chosen rate multiples), then the change from the narrowest width to the widest with its interval, n
     and sign-flip p."""

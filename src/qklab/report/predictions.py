@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from qklab.report.scale import MethodScale, method_scales
+from qklab.study.analyze import Group
 from qklab.study.sensitivity import Trend, grid_final, trend
 
 GPU_RESULTS = Path("docs/results/gpu_payload")  # where a GPU run's payload results are committed
@@ -59,8 +60,8 @@ def _high_rate(r: MethodScale, groups: dict[tuple, dict], key: str) -> tuple[lis
     sizes, vals = [], []
     for w, size in zip(r.widths, r.sizes, strict=True):
         g = groups[(r.study, r.variant, w)]
-        m = g["chosen"] * HIGH if g["chosen"] is not None else None
-        if m in g["sweep"]:
+        m = g.chosen * HIGH if g.chosen is not None else None
+        if m in g.sweep:
             sizes.append(size)
             vals.append(grid_final(g, key)[m])
     return sizes, vals
@@ -74,18 +75,18 @@ def _order(values: dict[str, list[float]]) -> list[dict[str, Any]]:
             for a, b in zip(ranked, ranked[1:], strict=False)]
 
 
-def make_predictions(groups: list[dict[str, Any]], regime: str, source: str) -> dict[str, Any]:
+def make_predictions(groups: list[Group], regime: str, source: str) -> dict[str, Any]:
     """The predictions file's content from the analysed groups of one width ladder (``analyze``)."""
     rows = method_scales(groups)
-    by_key = {(g["study"], g["variant"], int(g["d_model"])): g for g in groups if g.get("d_model")}
+    by_key = {(g.study, g.variant, int(g.d_model)): g for g in groups if g.d_model}
     out: dict[str, Any] = {"schema": 1, "source": source, "regime": regime, "high_rate": HIGH, "targets": {},
                            "note": "intervals: percentile bootstrap over seeds of the fit, which is not an "
                                    "interval over how far the fitted law holds beyond the sizes it was fitted on"}
     for label, size in TARGETS.items():
         logit, loss, sens = {}, {}, {}
         for r in rows:
-            m = method_key(by_key[(r.study, r.variant, r.widths[0])]["method"],
-                           by_key[(r.study, r.variant, r.widths[0])]["controller"])
+            m = method_key(by_key[(r.study, r.variant, r.widths[0])].method,
+                           by_key[(r.study, r.variant, r.widths[0])].controller)
             sizes, vals = _high_rate(r, by_key, "max_logit")
             if (iv := _interval(trend(sizes, vals, log_y=True) if len(sizes) >= 3 else None, size)) is not None:
                 logit[m] = iv

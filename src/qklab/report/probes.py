@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from qklab.report.figures import _nanmean, variant_name
+from qklab.study.analyze import Group
 from qklab.study.stats import describe, fmt_ci, fmt_mean_std, paired_difference
 
 Table = tuple[list[str], list[list[str]]]
@@ -69,9 +70,9 @@ def _measures(probes: list[dict[str, Any]]) -> list[tuple[str, Getter]]:
     return rows
 
 
-def _by_seed(g: dict[str, Any], get: Getter) -> dict[int, float]:
+def _by_seed(g: Group, get: Getter) -> dict[int, float]:
     out = {}
-    for s, p in g["probe_by_seed"].items():
+    for s, p in g.probe_by_seed.items():
         v = get(p)
         if v is not None and math.isfinite(float(v)):
             out[int(s)] = float(v)
@@ -90,23 +91,23 @@ def _cell(vals: dict[int, float], ref: dict[int, float] | None) -> str:
     return txt + f" ({d['mean']:+.3f}" + (f" {fmt_ci(d['ci_lo'], d['ci_hi'])})" if d["n"] >= 2 else ", one seed)")
 
 
-def probes_tables(groups: list[dict[str, Any]]) -> dict[str, Table]:
+def probes_tables(groups: list[Group]) -> dict[str, Table]:
     """One table per (study, attention type) whose chosen-rate cells carry probes: rows are measures,
     columns variants; a non-reference cell reads 'mean ± std (difference to the reference [95% CI])'."""
     tables: dict[str, Table] = {}
-    keys = dict.fromkeys((g["study"], g["attention"]) for g in groups if g["probe_by_seed"])
+    keys = dict.fromkeys((g.study, g.attention) for g in groups if g.probe_by_seed)
     for study, att in keys:
-        gs = [g for g in groups if g["study"] == study and g["attention"] == att and g["probe_by_seed"]]
-        probes = [p for g in gs for p in g["probe_by_seed"].values()]
-        refs = {(g["point"], g["variant"]): g for g in gs}
-        head = ["measure", *(variant_name(g) + ("" if g["variant"] == g.get("reference") else
-                                                 f" (vs {g.get('reference')})" if (g["point"], g.get("reference"))
+        gs = [g for g in groups if g.study == study and g.attention == att and g.probe_by_seed]
+        probes = [p for g in gs for p in g.probe_by_seed.values()]
+        refs = {(g.point, g.variant): g for g in gs}
+        head = ["measure", *(variant_name(g) + ("" if g.variant == g.reference else
+                                                 f" (vs {g.reference})" if (g.point, g.reference)
                                                  in refs else "") for g in gs)]
         rows = []
         for label, get in _measures(probes):
             row = [label]
             for g in gs:
-                ref = refs.get((g["point"], g.get("reference")))
+                ref = refs.get((g.point, g.reference))
                 row.append(_cell(_by_seed(g, get), None if ref is None or ref is g else _by_seed(ref, get)))
             rows.append(row)
         tables[f"probes {study}" + (f" {att}" if len({a for s, a in keys if s == study}) > 1 else "")] = (head, rows)

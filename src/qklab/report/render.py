@@ -10,7 +10,7 @@ from typing import Any
 
 from qklab.errors import ReportError
 from qklab.report.beside import beside_table, corpus_label
-from qklab.report.claims import VERDICT_RULE, claims_table, registered_results
+from qklab.report.claims import VERDICT_RULE, ClaimRow, claims_table, registered_results
 from qklab.report.figures import colours, draw, figure_data, nothing_to_show
 from qklab.report.html import page
 from qklab.report.ladder import ladder_table
@@ -36,10 +36,7 @@ from qklab.report.tables import (
     stable_rates_table,
     throughput_table,
 )
-from qklab.study.analyze import (
-    analyze,
-    load_results,
-)
+from qklab.study.analyze import Analysis, Group, analyze, load_results
 from qklab.study.result import DIVERGENCE_RULE, OUTCOME_RULE, write_json_atomic
 
 
@@ -56,10 +53,9 @@ def _progress(name: str, study: dict, results: list[dict]) -> str:
             + (f" (and {extra} result{'s' * (extra > 1)} of cells no longer in the study)" if extra else "") + ";")
 
 
-def _header(analysis: dict, dirs: list[str], results: list[dict]) -> list[str]:
-    studies = analysis["studies"]
-    skipped = analysis.get("skipped") or []
-    lines = [f"Results: {analysis['n_results']} cells from {', '.join(dirs)}; studies: "
+def _header(analysis: Analysis, dirs: list[str], results: list[dict], skipped: list[str]) -> list[str]:
+    studies = analysis.studies
+    lines = [f"Results: {analysis.n_results} cells from {', '.join(dirs)}; studies: "
              f"{', '.join(sorted(studies)) or '-'}."
              + (f" Skipped {len(skipped)} damaged or duplicate file(s): "
                 + "; ".join(skipped[:5]) + ("; ..." if len(skipped) > 5 else "") + "." if skipped else "")]
@@ -81,7 +77,7 @@ def _header(analysis: dict, dirs: list[str], results: list[dict]) -> list[str]:
               "adjusted across each paper's claims). A chosen rate at the top or bottom of its variant's grid (of "
               "three rates or more) is marked so: its optimum may lie beyond the grid.", "",
               f"Divergence rule: {DIVERGENCE_RULE}. The tables show its two kinds apart: {OUTCOME_RULE}."]
-    lines += code_lines(results)  # per study (analysis["git_shas"] keeps the HEAD each cell recorded)
+    lines += code_lines(results)  # per study
     return lines
 
 
@@ -123,16 +119,13 @@ def code_lines(results: list[dict]) -> list[str]:
     return out
 
 
-def registered_groups(results: list[dict], studies: dict[str, dict]) -> list[dict] | None:
+def registered_groups(results: list[dict], studies: dict[str, dict]) -> list[Group] | None:
     """The analysis groups of the cells of each study's registered design, when an amendment changed one
     (the claims under the registered plan are read on them); None else."""
     first = registered_results(results, studies)
     if first is None:
         return None
-    groups = analyze(first, studies)["groups"]
-    for g in groups:
-        g["multi"] = len(studies) > 1
-    return groups
+    return analyze(first, studies).groups
 
 
 def _load(dirs: list[str | Path], problems: list[str]) -> tuple[list[dict], dict[str, dict]]:
@@ -149,12 +142,10 @@ def _load(dirs: list[str | Path], problems: list[str]) -> tuple[list[dict], dict
     return results, studies
 
 
-def claims_of(results: list[dict], studies: dict[str, dict]) -> list[dict]:
+def claims_of(results: list[dict], studies: dict[str, dict]) -> list[ClaimRow]:
     """The claims table (claims.claims_table rows) of one set of results, as the report reads it: each
     study's registered plan, and an amended design's claims also on its registered cells."""
-    groups = analyze(results, studies)["groups"]
-    for g in groups:
-        g["multi"] = len(studies) > 1
+    groups = analyze(results, studies).groups
     return claims_table(groups, studies, registered_groups(results, studies))
 
 
@@ -167,16 +158,12 @@ def build(dirs: list[str | Path], loaded: Loaded, out: Path, title: str, problem
     drawn into ``out``. ``other``: the results and studies of the ``beside`` folders."""
     results, studies = loaded
     analysis = analyze(results, studies)
-    analysis["skipped"] = problems
-    for g in analysis["groups"]:
-        g["multi"] = len(studies) > 1
-    analysis["git_shas"] = dict(Counter(str(r["git_sha"]) for r in results if r.get("git_sha")))
-    groups = analysis["groups"]
-    data = figure_data(analysis)
+    groups = analysis.groups
+    data = figure_data(groups)
     figs = draw(data, out)
     empty = nothing_to_show(data)  # figures not drawn (one rate per variant, no curve of two points), named
-    names = list(dict.fromkeys(g["study"] for g in groups))  # one grid table per study, in report order
-    grids = {f"grid {n}": grid_table([g for g in groups if g["study"] == n]) for n in names}
+    names = list(dict.fromkeys(g.study for g in groups))  # one grid table per study, in report order
+    grids = {f"grid {n}": grid_table([g for g in groups if g.study == n]) for n in names}
     probes = probes_tables(groups)
     # each study's registered plan: confirmatory or not (an amended design: also on the registered cells)
     claim_rows = claims_table(groups, studies, registered_groups(results, studies))
@@ -201,7 +188,7 @@ def build(dirs: list[str | Path], loaded: Loaded, out: Path, title: str, problem
                                         *(short if short[0] != short[1] else ("here", "beside")))
         side = (corpus_label(results), corpus_label(other[0]), [str(d) for d in beside or []])
     cells = Cells(out)
-    report = Report(title=title, header=_header(analysis, [str(d) for d in dirs], results), groups=groups,
+    report = Report(title=title, header=_header(analysis, [str(d) for d in dirs], results, problems), groups=groups,
                     studies=studies, tables=tables, grids=list(grids), probes=list(probes), scale=bool(scale_rows),
                     figs=figs, empty=empty, claim_rows=claim_rows, links={}, cells=cells, beside=side)
     report.links.update(results=results_links(groups, cells), claims=claims_links(report.numbered, cells))

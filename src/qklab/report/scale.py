@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from qklab.report.claim_row import ClaimRow
+from qklab.study.analyze import Group
 from qklab.study.sensitivity import Trend, group_sensitivity, group_size, trend, tuned_by_seed, width_ladders
 from qklab.study.stats import describe, fmt_ci
 
@@ -57,12 +59,12 @@ class MethodScale:
         return trend(sizes, vals, log_y=True) if len(ws) >= MIN_WIDTHS else None
 
 
-def _limit(g: dict) -> str | None:
-    ctrl = g.get("controller") or "none"
+def _limit(g: Group) -> str | None:
+    ctrl = g.controller or "none"
     return next((v for k, v in LIMITS.items() if k in ctrl), None)
 
 
-def method_scales(groups: list[dict[str, Any]]) -> list[MethodScale]:
+def method_scales(groups: list[Group]) -> list[MethodScale]:
     """Every variant of every study that ran it at MIN_WIDTHS widths or more, in the study's order."""
     out = []
     for study, variants in sorted(width_ladders(groups).items()):
@@ -74,12 +76,12 @@ def method_scales(groups: list[dict[str, Any]]) -> list[MethodScale]:
             logits: dict[float, tuple[list[int], list[float], list[dict[int, float]]]] = {}
             for k in LOGIT_AT:
                 for w, g in zip(widths, gs, strict=True):
-                    m = g["chosen"] * k if g["chosen"] is not None else None
-                    if m in g["sweep"]:
+                    m = g.chosen * k if g.chosen is not None else None
+                    if m in g.sweep:
                         ws, sz, vals = logits.setdefault(k, ([], [], []))
                         ws.append(w)
                         sz.append(group_size(g))
-                        vals.append(dict(g["sweep"][m]["max_logit_by_seed"]))
+                        vals.append(dict(g.sweep[m]["max_logit_by_seed"]))
             out.append(MethodScale(study, variant, widths, [group_size(g) for g in gs],
                                    [group_sensitivity(g) for g in gs], [tuned_by_seed(g) for g in gs], logits,
                                    _limit(gs[0])))
@@ -167,21 +169,21 @@ def draw_scale(data: dict[str, Any], path: Path, colour: dict[str, str]) -> Path
 CONTROL = ("scale.control_logit_rate", "scale.control_logit_width", "scale.qknorm_sensitivity")
 
 
-def control_lines(rows: list[dict[str, Any]]) -> list[str]:
+def control_lines(rows: list[ClaimRow]) -> list[str]:
     """The positive control's section, first in a report whose study registered it: each control claim's
     verdict, and, unless every one agrees, that the control failed, so that nothing after it reads as if
     the study could see the effect it was built to see."""
-    ctl = [r for r in rows if r.get("id") in CONTROL and r.get("status") == "confirmatory"]
+    ctl = [r for r in rows if r.id in CONTROL and r.status == "confirmatory"]
     if not ctl:
         return []
     lines = ["## Positive control", "",
              "Before any other claim: does this study see what is already known (Wortsman et al. 2023)? "
              "Registered before its first cell; verdicts by the claims table's rule.", ""]
-    lines += [f"- {r['claim']}: **{r['verdict']}** ({r['measured']}; {r['reason']})" for r in ctl]
-    verdicts = ", ".join(r["verdict"] for r in ctl)
-    if all(r["verdict"] == "agree" for r in ctl):
+    lines += [f"- {r.claim}: **{r.verdict}** ({r.measured}; {r.reason})" for r in ctl]
+    verdicts = ", ".join(r.verdict for r in ctl)
+    if all(r.verdict == "agree" for r in ctl):
         lines += ["", "The control holds: the study sees the known effects, so its other scale claims can be read."]
-    elif any(r["verdict"] == "disagree" for r in ctl):
+    elif any(r.verdict == "disagree" for r in ctl):
         lines += ["", f"**The control fails** ({verdicts}): the study sees the opposite of a known effect, so its "
                   "other scale claims cannot be read as evidence about the methods."]
     else:

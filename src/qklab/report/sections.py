@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from qklab.report.beside import intro as beside_intro
-from qklab.report.claims import VERDICT_RULE
+from qklab.report.claims import VERDICT_RULE, ClaimRow
 from qklab.report.figures import CAPTIONS, variant_name
 from qklab.report.ladder import INTRO as LADDER_INTRO
 from qklab.report.predictions import gpu_results, predictions_lines
@@ -31,7 +31,7 @@ from qklab.report.tables import (
     md_text,
     unstable,
 )
-from qklab.study.analyze import grid_edge
+from qklab.study.analyze import Group, grid_edge
 from qklab.study.stats import fmt_ci
 
 
@@ -43,7 +43,7 @@ class Report:
 
     title: str
     header: list[str]  # the one-line summary of the sources, then how the results were made
-    groups: list[dict[str, Any]]
+    groups: list[Group]
     studies: dict[str, dict[str, Any]]
     tables: dict[str, Table]
     grids: list[str]  # the names in ``tables`` of the studies' grids, in report order
@@ -51,39 +51,39 @@ class Report:
     scale: bool  # three widths or more: LR sensitivity and its trends across scale
     figs: dict[str, Path]
     empty: dict[str, str]  # figures not drawn -> why
-    claim_rows: list[dict[str, Any]]
+    claim_rows: list[ClaimRow]
     links: dict[str, Any]
     cells: Cells
     beside: tuple[str, str, list[str]] | None = None  # (here, there, the folders) of the claims set beside
 
     @property
-    def numbered(self) -> list[dict[str, Any]]:
+    def numbered(self) -> list[ClaimRow]:
         """The claims with a number; the rest collapse to one line under the table."""
         return [r for r in self.claim_rows if has_numbers(r)]
 
 
-def summary_lines(groups: list[dict], cells: Cells, limit: int = 12) -> list[str]:
+def summary_lines(groups: list[Group], cells: Cells, limit: int = 12) -> list[str]:
     """The opening block, per variant at its chosen rate: the report loss with its interval and its paired
     difference to the reference; ordered by report loss, at most ``limit`` (the rest: the results table)."""
-    ranked = sorted(groups, key=lambda g: (g["chosen"] is None, g["stats"]["report_loss"]["mean"]
-                                           if g["stats"]["report_loss"]["n"] else math.inf))
+    ranked = sorted(groups, key=lambda g: (g.chosen is None, g.stats["report_loss"]["mean"]
+                                           if g.stats["report_loss"]["n"] else math.inf))
     lines = []
     for g in ranked[:limit]:
-        name, st, ch = variant_name(g), g["stats"]["report_loss"], g["chosen"]
-        where = f" (`{g['study']}`)" if g.get("multi") else ""
+        name, st, ch = variant_name(g), g.stats["report_loss"], g.chosen
+        where = f" (`{g.study}`)" if g.multi else ""
         if ch is None or not st["n"]:
             lines.append(f"- **{md_text(name)}**{where}: no rate eligible (every rate diverged, did not learn or "
                          "failed)")
             continue
-        at = cells.link(cell_paths(g, ch), f"{name} ({g['study']}) at its chosen rate x{ch:g}")
+        at = cells.link(cell_paths(g, ch), f"{name} ({g.study}) at its chosen rate x{ch:g}")
         loss = f"report loss {st['mean']:.3f}, 95% CI {abs_ci(st['ci_lo'], st['ci_hi'])}, n={st['n']}"
-        line = (f"- **{md_text(name)}**{where} at {g['chosen_lr']:.3g} (x{ch:g}{grid_edge(ch, g['sweep'])}): "
+        line = (f"- **{md_text(name)}**{where} at {g.chosen_lr:.3g} (x{ch:g}{grid_edge(ch, g.sweep)}): "
                 + (f"[{md_text(loss)}]({at})" if at else md_text(loss)))
-        d = g["paired"].get("report_loss")
-        if d and d["n"] and g.get("reference") != g["variant"]:
-            line += (f"; {d['mean']:+.3f} vs {md_text(str(g['reference']))}, 95% CI "
+        d = g.paired.get("report_loss")
+        if d and d["n"] and g.reference != g.variant:
+            line += (f"; {d['mean']:+.3f} vs {md_text(str(g.reference))}, 95% CI "
                      f"{md_text(fmt_ci(d['ci_lo'], d['ci_hi']))}")
-        sw = g["sweep"].values()
+        sw = g.sweep.values()
         total = {"diverged": sum(x["diverged"] for x in sw), "not_learned": sum(x.get("not_learned", 0) for x in sw)}
         bad = ", ".join(f"{n} {what}" for what, n in unstable(total))
         lines.append(line + (f" ({bad} over its rates)" if bad else ""))
@@ -97,21 +97,21 @@ def _sentence(s: str) -> str:
     return s[:1].upper() + s[1:] + "." if s else ""
 
 
-def answers(rows: list[dict], cells: Cells) -> list[str]:
+def answers(rows: list[ClaimRow], cells: Cells) -> list[str]:
     """The opening section: one short answer per registered question (a confirmatory claim): its verdict
     (both, when the plan was amended), interval and n, what it shows and what it does not."""
-    conf = [r for r in rows if r.get("status") == "confirmatory"]
+    conf = [r for r in rows if r.status == "confirmatory"]
     if not conf:
         return ["No claim of these results is marked confirmatory (a registered question); the claims table "
                 "lists every claim."]
     lines = ["One answer per registered question (a confirmatory claim), by the verdict rule of the claims "
              "table; the exploratory claims are in that table only.", ""]
     for r in conf:
-        verdict = f"**{r['verdict']}**"
-        if r.get("amended"):
-            verdict += f" under the amended plan; **{r.get('verdict_registered') or '-'}** under the registered plan"
-        st = r["stats"]
-        holm = f", Holm p {r['p_holm']:.3g}" if math.isfinite(r.get("p_holm", math.nan)) else ""
+        verdict = f"**{r.verdict}**"
+        if r.amended:
+            verdict += f" under the amended plan; **{r.verdict_registered or '-'}** under the registered plan"
+        st = r.stats
+        holm = f", Holm p {r.p_holm:.3g}" if math.isfinite(r.p_holm) else ""
         if st and st.get("log_ratio"):
             what = f"{st['a']} / {st['b']}: " if st.get("a") else "ratio "
             num = (f"{what}{10 ** st['mean']:.3g}, 95% CI [{10 ** st['ci_lo']:.3g}, {10 ** st['ci_hi']:.3g}], "
@@ -120,13 +120,13 @@ def answers(rows: list[dict], cells: Cells) -> list[str]:
             what = f"{st['a']} - {st['b']}: " if st.get("a") else "mean difference "
             num = f"{what}{st['mean']:+.3f}, 95% CI {fmt_ci(st['ci_lo'], st['ci_hi'])}, n={st['n']}{holm}"
         else:
-            num = f"measured: {r['measured']}" if r["measured"] != "-" else "nothing measured"
-        to = cells.link(r.get("cells") or [], f"{r['paper']}: {r['claim']}")
-        num = f"[{md_text(num)}]({to})" if to and (st or r["measured"] != "-") else md_text(num)
-        shows = r.get("shows") or f"{r['measurement']}: {r['reason']}"
-        limits = r.get("not_shows") or f"it does not show the claim beyond this measurement ({r['measurement']})"
-        ident = f" ({md_text(r['id'])})" if r.get("id") else ""
-        lines.append(f"- **{md_text(r['paper'] + ': ' + r['claim'])}**{ident}: {verdict}; {num}. "
+            num = f"measured: {r.measured}" if r.measured != "-" else "nothing measured"
+        to = cells.link(r.cells or [], f"{r.paper}: {r.claim}")
+        num = f"[{md_text(num)}]({to})" if to and (st or r.measured != "-") else md_text(num)
+        shows = r.shows or f"{r.measurement}: {r.reason}"
+        limits = r.not_shows or f"it does not show the claim beyond this measurement ({r.measurement})"
+        ident = f" ({md_text(r.id)})" if r.id else ""
+        lines.append(f"- **{md_text(r.paper + ': ' + r.claim)}**{ident}: {verdict}; {num}. "
                      f"*Shows:* {md_text(_sentence(shows))} *Limits:* {md_text(_sentence(limits))}")
     return lines
 
@@ -138,7 +138,7 @@ def title(r: Report) -> list[str]:
 def opening(r: Report) -> list[str]:
     """The answer first: what each variant reached, and the registered questions' answers."""
     md = ["## What these results say", "", *control_lines(r.claim_rows), *summary_lines(r.groups, r.cells), ""]
-    if any(c.get("status") == "confirmatory" for c in r.claim_rows):
+    if any(c.status == "confirmatory" for c in r.claim_rows):
         return md + ["### Registered questions", "", *answers(r.claim_rows, r.cells), ""]
     return md + ["No question of these results was registered: every claim in the [claims table](#claims) is "
                  "exploratory or not measurable here.", ""]

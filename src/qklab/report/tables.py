@@ -8,9 +8,9 @@ import os
 from pathlib import Path
 from urllib.parse import quote
 
-from qklab.report.claims import claims_table
+from qklab.report.claims import ClaimRow, claims_table
 from qklab.report.figures import variant_name
-from qklab.study.analyze import DELTA, best_by_place, best_select, grid_edge, highest_within, place
+from qklab.study.analyze import DELTA, Group, best_by_place, best_select, grid_edge, highest_within, place
 from qklab.study.plan import stored_plan
 from qklab.study.stats import fmt_ci, fmt_mean_std
 
@@ -51,37 +51,37 @@ def md_text(s: str) -> str:
     return "".join("\\" + ch if ch in "\\[]`*<" else ch for ch in s)
 
 
-def cell_paths(g: dict | None, mult: float | None = None) -> list[str]:
-    """The result.json paths of a group's cells (analysis ``g["cells"]``) at one rate multiple, or at every
+def cell_paths(g: Group | None, mult: float | None = None) -> list[str]:
+    """The result.json paths of a group's cells (analysis ``g.cells``) at one rate multiple, or at every
     rate (None), by rate and seed."""
-    cells = (g or {}).get("cells") or {}
+    cells = g.cells if g is not None else {}
     ms = sorted(cells) if mult is None else [mult] if mult in cells else []
     return [c["path"] for m in ms for c in sorted(cells[m], key=lambda c: c["seed"])]
 
 
-def results_table(groups: list[dict]) -> Table:
+def results_table(groups: list[Group]) -> Table:
     head = ["variant", "attn", "method", "controller", "lr (chosen)", "n", "selection loss", "report loss",
             "95% CI", "vs reference (paired)", "95% CI", "bootstrap 95%", "p", "max logit", "first token",
             "diverged", "not learned", "failed"]
     rows = []
     for g in groups:
-        st, sw = g["stats"], g["sweep"]
-        d = g["paired"].get("report_loss")
-        ch = g["chosen"]
+        st, sw = g.stats, g.sweep
+        d = g.paired.get("report_loss")
+        ch = g.chosen
         sel = sw[ch]["select"] if ch is not None else None
         nl = sum(s.get("not_learned", 0) for s in sw.values())
         div = sum(s["diverged"] for s in sw.values()) - nl
         rows.append([
-            variant_name(g), g["attention"], g["method"] or "-",
-            g["controller"] or "-", f"{g['chosen_lr']:.3g} (x{ch:g}{grid_edge(ch, sw)})" if ch is not None
+            variant_name(g), g.attention, g.method or "-",
+            g.controller or "-", f"{g.chosen_lr:.3g} (x{ch:g}{grid_edge(ch, sw)})" if ch is not None
             else "none eligible",
             str(st["report_loss"]["n"]), fmt_mean_std(sel) if sel else "-", fmt_mean_std(st["report_loss"]),
             abs_ci(st["report_loss"]["ci_lo"], st["report_loss"]["ci_hi"]),
-            f"{d['mean']:+.3f} vs {g['reference']}" if d and d["n"] else "-",
+            f"{d['mean']:+.3f} vs {g.reference}" if d and d["n"] else "-",
             fmt_ci(d["ci_lo"], d["ci_hi"]) if d else "-", fmt_ci(d["boot_lo"], d["boot_hi"]) if d else "-",
             _p(d),
             fmt_mean_std(st["max_logit"], 1), fmt_mean_std(st["first_token"]),
-            f"{div}/{g['n_cells']}", f"{nl}/{g['n_cells']}", f"{len(g['failed'])}/{g['n_cells']}"])
+            f"{div}/{g.n_cells}", f"{nl}/{g.n_cells}", f"{len(g.failed)}/{g.n_cells}"])
     return head, rows
 
 
@@ -111,35 +111,35 @@ def unstable(s: dict) -> list[tuple[str, int]]:
     return [(what, n) for what, n in (("diverged", s["diverged"] - nl), ("not learned", nl)) if n]
 
 
-def results_links(groups: list[dict], cells: Cells) -> Links:
+def results_links(groups: list[Group], cells: Cells) -> Links:
     """The results table's numbers: those at the chosen rate from its cells, the paired ones from those
     and the reference's, the diverged, not learned and failed counts from every cell of the variant."""
-    by_key = {(g["study"], g["point"], g["variant"]): g for g in groups}
+    by_key = {(g.study, g.point, g.variant): g for g in groups}
     out = []
     for g in groups:
-        name, ch = f"{variant_name(g)} ({g['study']})", g["chosen"]
+        name, ch = f"{variant_name(g)} ({g.study})", g.chosen
         if ch is None:
             at = paired = None
         else:
             at = cells.link(cell_paths(g, ch), f"{name} at its chosen rate x{ch:g}")
-            ref = by_key.get((g["study"], g["point"], g.get("reference")))
-            paired_ok = ref is not None and ref is not g and ref["chosen"] is not None
-            both = cell_paths(g, ch) + (cell_paths(ref, ref["chosen"]) if paired_ok else [])
-            paired = cells.link(both, f"{name} and its reference {g.get('reference')}, each at its chosen rate")
+            ref = by_key.get((g.study, g.point, g.reference))
+            paired_ok = ref is not None and ref is not g and ref.chosen is not None
+            both = cell_paths(g, ch) + (cell_paths(ref, ref.chosen) if paired_ok else [])
+            paired = cells.link(both, f"{name} and its reference {g.reference}, each at its chosen rate")
         every = cells.link(cell_paths(g), f"{name} at every rate")
         out.append({**dict.fromkeys((4, 5, 6, 7, 8, 13, 14), at), **dict.fromkeys((9, 10, 11, 12), paired),
                     15: every, 16: every, 17: every})
     return out
 
 
-def sensitivity_table(groups: list[dict]) -> Table:
-    mults = sorted({m for g in groups for m in g["sweep"]})
+def sensitivity_table(groups: list[Group]) -> Table:
+    mults = sorted({m for g in groups for m in g.sweep})
     head = ["variant", "attn", *[f"x{m:g}" for m in mults], "chosen", "highest stable"]
     rows = []
     for g in groups:
         cells = []
         for m in mults:
-            s = g["sweep"].get(m)
+            s = g.sweep.get(m)
             if s is None:
                 cells.append("not run")
             elif s["diverged"] and s["diverged"] == s["n"] - s["failed"]:
@@ -147,8 +147,8 @@ def sensitivity_table(groups: list[dict]) -> Table:
             else:
                 cells.append(fmt_mean_std(s["select"]) + "".join(f", {n} {what}" for what, n in unstable(s))
                              + (f", {s['failed']} failed" if s["failed"] else ""))
-        hs = g["highest_stable"]
-        rows.append([g["variant"], g["attention"], *cells, f"x{g['chosen']:g}" if g["chosen"] is not None else "-",
+        hs = g.highest_stable
+        rows.append([g.variant, g.attention, *cells, f"x{g.chosen:g}" if g.chosen is not None else "-",
                      f"x{hs:g}" if hs is not None else "-"])
     return head, rows
 
@@ -160,7 +160,7 @@ def _late(s: dict) -> str:
     return f"{d['mean']:.3f} ({st[0]}-{st[1]})" if d["n"] and st else "-"
 
 
-def stability_table(groups: list[dict]) -> Table:
+def stability_table(groups: list[Group]) -> Table:
     """Every variant at every rate: selection loss (all finished seeds) and its margin below the unigram
     entropy (0 or less: a plateau at token frequencies, not learned, which the rules count as diverged), how
     far it still fell over the last evaluation interval, final max logit, loss spikes, and the seeds that
@@ -169,11 +169,11 @@ def stability_table(groups: list[dict]) -> Table:
             "max logit (end)", "loss spikes", "diverged", "not learned", "failed"]
     rows = []
     for g in groups:
-        uni = g.get("unigram_entropy", float("nan"))
-        for m, s in sorted(g["sweep"].items()):
+        uni = g.unigram_entropy
+        for m, s in sorted(g.sweep.items()):
             sel = s.get("select_all", s["select"])
             ml = s.get("max_logit") or {"mean": float("nan"), "n": 0}
-            rows.append([g["variant"], g["attention"], f"{s['lr']:.3g} (x{m:g})", str(s["n"]), fmt_mean_std(sel),
+            rows.append([g.variant, g.attention, f"{s['lr']:.3g} (x{m:g})", str(s["n"]), fmt_mean_std(sel),
                          f"{uni - sel['mean']:.3f}" if sel["n"] else "-", _late(s),
                          f"{ml['mean']:.1f}" if ml["n"] else "-", str(s.get("spikes", 0)),
                          f"{s['diverged'] - s.get('not_learned', 0)}/{s['n']}",
@@ -187,7 +187,7 @@ def _delta(study: dict | None) -> float:
     return next((p["delta"] for p in plan.values() if "delta" in p), DELTA)
 
 
-def stable_rates_table(groups: list[dict], studies: dict[str, dict]) -> Table:
+def stable_rates_table(groups: list[Group], studies: dict[str, dict]) -> Table:
     """Each variant's highest rate that holds, by both rules: the entropy rule (no seed diverged, i.e. ended
     above the unigram entropy) and the delta rule (besides, its mean selection loss within delta nats of its
     own best rate), and the highest rate at which it is within delta of the best variant at its place
@@ -197,28 +197,28 @@ def stable_rates_table(groups: list[dict], studies: dict[str, dict]) -> Table:
     best = best_by_place(groups)
     rows = []
     for g in groups:
-        d, b = _delta(studies.get(g["study"])), best.get(place(g))
+        d, b = _delta(studies.get(g.study)), best.get(place(g))
 
         def rate(m, g=g):
-            return f"{g['sweep'][m]['lr']:.3g} (x{m:g})" if m is not None else "none"
+            return f"{g.sweep[m]['lr']:.3g} (x{m:g})" if m is not None else "none"
         own = best_select(g)
-        rows.append([variant_name(g), g["attention"], g["study"], f"{d:g}", f"{own:.3f}" if math.isfinite(own) else "-",
-                     rate(g["highest_stable"]), rate(highest_within(g, d)),
+        rows.append([variant_name(g), g.attention, g.study, f"{d:g}", f"{own:.3f}" if math.isfinite(own) else "-",
+                     rate(g.highest_stable), rate(highest_within(g, d)),
                      rate(highest_within(g, d, b)) if b is not None else "none"])
     return head, rows
 
 
-def grid_table(groups: list[dict]) -> Table:
+def grid_table(groups: list[Group]) -> Table:
     """The whole grid at a glance, one row per learning rate and one column per variant: final
     selection-split loss over every finished seed (mean ± std) / mean final max logit, and how many seeds
     diverged or did not learn. Give it one study's groups: a column per variant and grid point."""
-    lrs = sorted({round(s["lr"], 12) for g in groups for s in g["sweep"].values() if math.isfinite(s["lr"])})
+    lrs = sorted({round(s["lr"], 12) for g in groups for s in g.sweep.values() if math.isfinite(s["lr"])})
     head = ["lr", *map(variant_name, groups)]
     rows = []
     for lr in lrs:
         row = [f"{lr:.3g}"]
         for g in groups:
-            s = next((s for s in g["sweep"].values() if round(s["lr"], 12) == lr), None)
+            s = next((s for s in g.sweep.values() if round(s["lr"], 12) == lr), None)
             if s is None or s["n"] == s["failed"]:
                 row.append("-" if s is None else f"failed ({s['failed']}/{s['n']})")
                 continue
@@ -229,46 +229,46 @@ def grid_table(groups: list[dict]) -> Table:
     return head, rows
 
 
-def throughput_table(groups: list[dict]) -> Table:
+def throughput_table(groups: list[Group]) -> Table:
     ref = {}
     for g in groups:
-        if g["variant"] == g.get("reference"):
-            ref[(g["study"], g["point"], g["attention"])] = g["stats"]["tokens_per_s"]["mean"]
+        if g.variant == g.reference:
+            ref[(g.study, g.point, g.attention)] = g.stats["tokens_per_s"]["mean"]
     head = ["variant", "attn", "tokens/s (mean over seeds)", "relative to reference", "CPU s per cell"]
     rows = []
     for g in groups:
-        t = g["stats"]["tokens_per_s"]["mean"]
-        r = ref.get((g["study"], g["point"], g["attention"]))
-        cpu = g["stats"]["cpu_seconds"]["mean"]
-        rows.append([g["variant"], g["attention"], f"{t:,.0f}" if math.isfinite(t) else "-",
+        t = g.stats["tokens_per_s"]["mean"]
+        r = ref.get((g.study, g.point, g.attention))
+        cpu = g.stats["cpu_seconds"]["mean"]
+        rows.append([g.variant, g.attention, f"{t:,.0f}" if math.isfinite(t) else "-",
                      f"{t / r:.2f}x" if r and math.isfinite(t) and math.isfinite(r) else "-",
                      f"{cpu:,.0f}" if math.isfinite(cpu) else "-"])
     return head, rows
 
 
-def failures_table(groups: list[dict]) -> Table:
+def failures_table(groups: list[Group]) -> Table:
     return ["cell", "failure", "log"], [[f["cell"], f["failure"] or "", f["log"] or ""]
-                                        for g in groups for f in g["failed"]]
+                                        for g in groups for f in g.failed]
 
 
 def _g(x: float, digits: int = 3) -> str:
     return f"{x:.{digits}g}" if x is not None and math.isfinite(x) else "-"
 
 
-def _verdict(r: dict) -> str:
+def _verdict(r: ClaimRow) -> str:
     """The verdict column: the verdict in bold; an exploratory claim's reads 'exploratory' alone."""
-    return "exploratory" if "exploratory" in (r.get("status"), r["verdict"]) else f"**{r['verdict']}**"
+    return "exploratory" if "exploratory" in (r.status, r.verdict) else f"**{r.verdict}**"
 
 
-def _reason(r: dict) -> str:
+def _reason(r: ClaimRow) -> str:
     """The reason; for an amended plan, also the verdict and reason under the registered one."""
-    if not r.get("amended"):
-        return r["reason"]
-    why = f" ({r['reason_registered']})" if r.get("reason_registered") else ""
-    return f"{r['reason']} (amended plan); under the registered plan: {r.get('verdict_registered') or '-'}{why}"
+    if not r.amended:
+        return r.reason
+    why = f" ({r.reason_registered})" if r.reason_registered else ""
+    return f"{r.reason} (amended plan); under the registered plan: {r.verdict_registered or '-'}{why}"
 
 
-def claims_rows(groups: list[dict], rows: list[dict] | None = None, studies: dict | None = None) -> Table:
+def claims_rows(groups: list[Group], rows: list[ClaimRow] | None = None, studies: dict | None = None) -> Table:
     """The claims table: the verdict by claims.VERDICT_RULE, the old rule's, and each paired claim's
     statistics (its family is its paper). ``rows``: claims_table(groups, studies), if already made; the
     report passes the studies (their registered plans), as write_report does."""
@@ -278,33 +278,33 @@ def claims_rows(groups: list[dict], rows: list[dict] | None = None, studies: dic
             "p Holm (sign-flip)", "q BH (sign-flip)"]
     body = []
     for r in rows:
-        st = r["stats"]
+        st = r.stats
         cols = (["-"] * 10 if st is None else
                 [str(st["n"]), str(st["df"]), f"{st['mean']:+.3f}", fmt_ci(st["ci_lo"], st["ci_hi"]),
                  fmt_ci(st["boot_lo"], st["boot_hi"]), _g(st["effect"]), _g(st["p"]), _g(st["p_flip"]),
-                 _g(r["p_holm"]), _g(r["q_bh"])])
-        body.append([r["paper"], r["claim"], r["measurement"], r["measured"], _verdict(r), _reason(r),
-                     r["verdict_old"], *cols])
+                 _g(r.p_holm), _g(r.q_bh)])
+        body.append([r.paper, r.claim, r.measurement, r.measured, _verdict(r), _reason(r),
+                     r.verdict_old, *cols])
     return head, body
 
 
-def has_numbers(r: dict) -> bool:
+def has_numbers(r: ClaimRow) -> bool:
     """Whether a claims row carries a measurement (the rest collapse to one line in the report)."""
-    return r["stats"] is not None or r["measured"] != "-"
+    return r.stats is not None or r.measured != "-"
 
 
-def collapsed_claims(rows: list[dict]) -> list[str]:
+def collapsed_claims(rows: list[ClaimRow]) -> list[str]:
     """One line for the claims without a number here, grouped by verdict (not measurable, exploratory)."""
     by: dict[str, list[str]] = {}
     for r in rows:
-        by.setdefault(_verdict(r).strip("*"), []).append(f"{r['paper']}: {r['claim']}")
+        by.setdefault(_verdict(r).strip("*"), []).append(f"{r.paper}: {r.claim}")
     return [f"Without a number in these results ({len(rows)}), {verdict} ({len(names)}): "
             + "; ".join(md_text(n) for n in names) + "." for verdict, names in by.items()]
 
 
-def claims_links(rows: list[dict], cells: Cells) -> Links:
+def claims_links(rows: list[ClaimRow], cells: Cells) -> Links:
     """Every number of a claim's row (what it measured, its statistics) from the claim's cells."""
-    return [dict.fromkeys((3, *range(7, 17)), cells.link(r.get("cells") or [], f"{r['paper']}: {r['claim']}"))
+    return [dict.fromkeys((3, *range(7, 17)), cells.link(r.cells or [], f"{r.paper}: {r.claim}"))
             for r in rows]
 
 

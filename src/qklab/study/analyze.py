@@ -23,11 +23,64 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from qklab.study.result import CellOutcome, cell_outcome, load_result, num, read_json
 from qklab.study.stats import describe, paired_difference
+
+Stats = dict[str, Any]  # stats.describe: n, mean, std, ci_lo, ci_hi, ...
+BySeed = dict[int, float]
+
+
+@dataclass(frozen=True)
+class Group:
+    """One variant at one grid point of one study: its cells by rate multiple and seed, the rate chosen on the
+    selection split, the report-split numbers at that rate, and the paired differences to its reference.
+    Built once by ``analyze`` and never changed after."""
+
+    study: str
+    variant: str
+    point: str = ""  # the grid point's label
+    attention: str = "mha"  # or "mla"
+    method: str | None = "none"  # forward-side, with the model flags that change attention ("none+gate-head")
+    controller: str | None = "none"  # optimizer-side ("muon-per-head-qk": per-head Muon on W_Q and W_K)
+    qk_options: Mapping[str, Any] = field(default_factory=dict)  # e.g. {"quack": {"tau": 0.1, ...}}
+    seq_len: int | None = None
+    d_model: int | None = None
+    n_params: int | None = None
+    vocab_size: int | None = None
+    tie_embeddings: bool = True
+    n_cells: int = 0
+    failed: list[dict[str, Any]] = field(default_factory=list)  # {"cell", "failure", "log"} of each failed cell
+    sweep: dict[float, dict[str, Any]] = field(default_factory=dict)  # rate multiple -> its seeds' outcomes
+    cells: dict[float, list[dict[str, Any]]] = field(default_factory=dict)  # rate multiple -> its cells' files
+    chosen: float | None = None  # the chosen rate multiple (None: no rate eligible)
+    chosen_lr: float | None = None
+    highest_stable: float | None = None  # the highest rate with no diverged seed
+    at_chosen: dict[str, BySeed] = field(default_factory=dict)  # metric -> seed -> value at the chosen rate
+    stats: dict[str, Stats] = field(default_factory=dict)  # metric -> its description over those seeds
+    curves: list[dict[str, Any]] = field(default_factory=list)  # of the cells at the chosen rate
+    heads: list[dict[str, Any]] = field(default_factory=list)
+    head_series: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (seed, series) there
+    probe_by_seed: dict[int, dict[str, Any]] = field(default_factory=dict)
+    unigram_entropy: float = math.nan
+    order: int = 0  # the variant's place in its study file
+    reference: str | None = None  # the variant it is paired with
+    paired: dict[str, dict[str, Any]] = field(default_factory=dict)  # metric -> paired difference to it
+    stable: dict[str, Any] = field(default_factory=dict)  # the highest holding rate by each rule (stability)
+    multi: bool = False  # one of several studies in a report: named with its study
+    # key -> rate multiple -> seed -> final[key] of every finished cell, read from the result files when
+    # first asked (sensitivity.grid_final): a memo of what the files hold, not a change of the group
+    grid_final: dict[str, dict[float, dict[int, float]]] = field(default_factory=dict, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Analysis:
+    groups: list[Group]
+    studies: dict[str, dict[str, Any]]
+    n_results: int
 
 
 def grid_edge(mult: float, sweep: dict) -> str:
@@ -160,26 +213,26 @@ def _mean_select(s: dict) -> float:
     return m if m is not None else float("nan")
 
 
-def best_select(g: dict) -> float:
+def best_select(g: Group) -> float:
     """The lowest mean selection loss over the variant's rates with no diverged seed (NaN: none)."""
-    xs = [x for x in map(_mean_select, g["sweep"].values()) if math.isfinite(x)]
+    xs = [x for x in map(_mean_select, g.sweep.values()) if math.isfinite(x)]
     return min(xs) if xs else float("nan")
 
 
-def highest_within(g: dict, delta: float, best: float | None = None) -> float | None:
+def highest_within(g: Group, delta: float, best: float | None = None) -> float | None:
     """The highest rate with no diverged seed whose mean selection loss is within ``delta`` of ``best``
     (default: the variant's own best), or None."""
     best = best_select(g) if best is None else best
-    ok = [m for m, s in g["sweep"].items() if math.isfinite(_mean_select(s)) and _mean_select(s) <= best + delta]
+    ok = [m for m, s in g.sweep.items() if math.isfinite(_mean_select(s)) and _mean_select(s) <= best + delta]
     return max(ok) if ok else None
 
 
-def place(g: dict) -> tuple[str, str, str]:
+def place(g: Group) -> tuple[str, str, str]:
     """Where a group's variants compete: its study, grid point and attention type."""
-    return g["study"], g["point"], g["attention"]
+    return g.study, g.point, g.attention
 
 
-def best_by_place(groups: list[dict]) -> dict[tuple, float]:
+def best_by_place(groups: list[Group]) -> dict[tuple, float]:
     """place -> the lowest best_select of its groups (places where no group holds anywhere are absent)."""
     best: dict[tuple, float] = {}
     for g in groups:
@@ -188,38 +241,35 @@ def best_by_place(groups: list[dict]) -> dict[tuple, float]:
     return best
 
 
-def stability(groups: list[dict], delta: float = DELTA) -> None:
-    """Each group's ``stable``: its highest holding rate by the entropy rule and by the delta rule, and
-    ``near_best``, the highest rate within delta of the best variant at its place (study, point, attention)."""
+def stability(groups: list[Group], delta: float = DELTA) -> list[Group]:
+    """The groups with their ``stable``: the highest holding rate by the entropy rule and by the delta rule,
+    and ``near_best``, the highest rate within delta of the best variant at its place (study, point,
+    attention)."""
     best = best_by_place(groups)
-    for g in groups:
-        b = best.get(place(g))
-        g["stable"] = {"entropy": g["highest_stable"], "delta": highest_within(g, delta), "delta_value": delta,
-                       "near_best": highest_within(g, delta, b) if b is not None else None}
+    return [replace(g, stable={"entropy": g.highest_stable, "delta": highest_within(g, delta), "delta_value": delta,
+                               "near_best": highest_within(g, delta, b) if (b := best.get(place(g))) is not None
+                               else None}) for g in groups]
 
 
-def analyze(results: list[dict], studies: dict[str, dict], delta: float = DELTA) -> dict[str, Any]:
+def analyze(results: list[dict], studies: dict[str, dict], delta: float = DELTA) -> Analysis:
     """Groups with their rate sweep, chosen rate, report statistics and paired differences."""
     cells: dict[tuple, list[dict]] = defaultdict(list)
     for r in results:
         cells[_key(r)].append(r)
-    groups: dict[tuple, dict[str, Any]] = {}
-    for key, rs in cells.items():
-        groups[key] = _group(key, rs)
-    for key, g in groups.items():
-        study, _, point = key
+    base = {key: _group(key, rs) for key, rs in cells.items()}
+    groups = []
+    for (study, _, point), g in base.items():
         names = list(studies.get(study, {}).get("variants", {}))
-        g["order"] = names.index(g["variant"]) if g["variant"] in names else len(names)
-        ref = _reference(studies.get(study, {}), g["attention"])
-        g["reference"] = ref
-        rg = groups.get((study, ref, point)) if ref else None
-        g["paired"] = {}
-        if rg is not None and rg is not g and g["chosen"] is not None and rg["chosen"] is not None:
-            for metric in ("report_loss", "train_loss", "max_logit", "first_token"):
-                g["paired"][metric] = paired_difference(g["at_chosen"][metric], rg["at_chosen"][metric])
-    ordered = sorted(groups.values(), key=lambda g: (g["study"], natural_key(g["point"]), g["attention"], g["order"]))
-    stability(ordered, delta)
-    return {"groups": ordered, "studies": studies, "n_results": len(results)}
+        ref = _reference(studies.get(study, {}), g.attention)
+        rg = base.get((study, ref, point)) if ref else None
+        paired = {}
+        if rg is not None and rg is not g and g.chosen is not None and rg.chosen is not None:
+            paired = {metric: paired_difference(g.at_chosen[metric], rg.at_chosen[metric])
+                      for metric in ("report_loss", "train_loss", "max_logit", "first_token")}
+        groups.append(replace(g, order=names.index(g.variant) if g.variant in names else len(names), reference=ref,
+                              paired=paired, multi=len(studies) > 1))
+    ordered = sorted(groups, key=lambda g: (g.study, natural_key(g.point), g.attention, g.order))
+    return Analysis(stability(ordered, delta), studies, len(results))
 
 
 def _reference(study: dict, attention: str) -> str | None:
@@ -248,7 +298,7 @@ def _controller(controller: str | None, train: dict[str, Any]) -> str | None:
     return tag if controller == "none" else f"{controller}+{tag}"
 
 
-def _group(key: tuple, rs: list[dict]) -> dict[str, Any]:
+def _group(key: tuple, rs: list[dict]) -> Group:
     study, variant, point = key
     ok = [r for r in rs if r["status"] != "failed"]
     first = ok[0] if ok else rs[0]
@@ -286,22 +336,21 @@ def _group(key: tuple, rs: list[dict]) -> dict[str, Any]:
         at["tokens_per_s"][c["seed"]] = num(c.get("tokens_per_s"))
         at["cpu_seconds"][c["seed"]] = num(c.get("cpu_seconds"))
     cfg = first.get("config", {})
-    return {"study": study, "variant": variant, "point": point, "order": 0,
-            "attention": first.get("attention", cfg.get("model", {}).get("attention", "mha")),
-            "method": _method(first.get("method"), cfg.get("model", {})),
-            "controller": _controller(first.get("controller"), cfg.get("train", {})),
-            "qk_options": cfg.get("qk", {}).get("options", {}),  # e.g. {"quack": {"tau": 0.1, ...}}
-            "seq_len": cfg.get("train", {}).get("seq_len"), "d_model": cfg.get("model", {}).get("d_model"),
-            "n_params": first.get("n_params"), "vocab_size": cfg.get("model", {}).get("vocab_size"),
-            "tie_embeddings": cfg.get("model", {}).get("tie_embeddings", True),
-            "n_cells": len(rs),
-            "failed": [{"cell": r["cell"], "failure": r.get("failure"), "log": r.get("log")}
-                       for r in rs if r["status"] == "failed"],
-            "sweep": sweep, "cells": cells, "chosen": chosen,
-            "chosen_lr": sweep[chosen]["lr"] if chosen is not None else None,
-            "highest_stable": max(stable) if stable else None, "at_chosen": at,
-            "stats": {k: describe(list(v.values())) for k, v in at.items()},
-            "curves": [c["curves"] for c in chosen_cells], "heads": [c.get("heads", {}) for c in chosen_cells],
-            "head_series": [(c["seed"], c["head_series"]) for c in chosen_cells if c.get("head_series")],
-            "probe_by_seed": {c["seed"]: c["probe"] for c in chosen_cells if c.get("probe")},
-            "unigram_entropy": num(first.get("unigram_entropy"))}
+    return Group(
+        study=study, variant=variant, point=point,
+        attention=first.get("attention", cfg.get("model", {}).get("attention", "mha")),
+        method=_method(first.get("method"), cfg.get("model", {})),
+        controller=_controller(first.get("controller"), cfg.get("train", {})),
+        qk_options=cfg.get("qk", {}).get("options", {}),
+        seq_len=cfg.get("train", {}).get("seq_len"), d_model=cfg.get("model", {}).get("d_model"),
+        n_params=first.get("n_params"), vocab_size=cfg.get("model", {}).get("vocab_size"),
+        tie_embeddings=cfg.get("model", {}).get("tie_embeddings", True), n_cells=len(rs),
+        failed=[{"cell": r["cell"], "failure": r.get("failure"), "log": r.get("log")}
+                for r in rs if r["status"] == "failed"],
+        sweep=sweep, cells=cells, chosen=chosen, chosen_lr=sweep[chosen]["lr"] if chosen is not None else None,
+        highest_stable=max(stable) if stable else None, at_chosen=at,
+        stats={k: describe(list(v.values())) for k, v in at.items()},
+        curves=[c["curves"] for c in chosen_cells], heads=[c.get("heads", {}) for c in chosen_cells],
+        head_series=[(c["seed"], c["head_series"]) for c in chosen_cells if c.get("head_series")],
+        probe_by_seed={c["seed"]: c["probe"] for c in chosen_cells if c.get("probe")},
+        unigram_entropy=num(first.get("unigram_entropy")))

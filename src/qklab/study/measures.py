@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from qklab.study.analyze import best_by_place, highest_within, place
+from qklab.study.analyze import Group, best_by_place, highest_within, place
 from qklab.study.stats import difference_stats, fmt_ci, paired_difference
 
 NOT_MEASURABLE = "not measurable"
@@ -50,19 +50,19 @@ def _name(kind: tuple) -> str:
     return f"{att.upper()} {ctrl if ctrl != 'none' else method}"
 
 
-def _find(groups: list[dict], attention: str, method: str = "none", controller: str = "none") -> list[dict]:
+def _find(groups: list[Group], attention: str, method: str = "none", controller: str = "none") -> list[Group]:
     """Groups of one kind (several when, e.g., two taus were run): the best by selection loss first."""
-    gs = [g for g in groups if g["attention"] == attention and g["method"] == method
-          and g["controller"] == controller and g["chosen"] is not None]
-    return sorted(gs, key=lambda g: g["sweep"][g["chosen"]]["select"]["mean"])
+    gs = [g for g in groups if g.attention == attention and g.method == method
+          and g.controller == controller and g.chosen is not None]
+    return sorted(gs, key=lambda g: g.sweep[g.chosen]["select"]["mean"])
 
 
-def _option(g: dict, key: str):
+def _option(g: Group, key: str):
     """The value of the group's controller option ``key`` (e.g. QuacK's tau), or None."""
-    return (g.get("qk_options") or {}).get(g["controller"], {}).get(key)
+    return (g.qk_options or {}).get(g.controller, {}).get(key)
 
 
-def _places(groups, a: tuple, b: tuple) -> tuple[list[tuple[dict, dict]], str]:
+def _places(groups: list[Group], a: tuple, b: tuple) -> tuple[list[tuple[Group, Group]], str]:
     """Pairs (x of kind a, y of kind b) that ran in the same study and grid point, so that they share the
     data, the shape and the optimizer: the pairs with the most paired seeds first (the study built to test
     the two, not a 2-seed width ladder that tunes them too), then the widest rate grids (not a ladder at
@@ -72,18 +72,18 @@ def _places(groups, a: tuple, b: tuple) -> tuple[list[tuple[dict, dict]], str]:
     if not ga or not gb:
         missing = [_name(x) for x, g in ((a, ga), (b, gb)) if not g]
         return [], f"no finished cells of {' and '.join(missing)} in these results"
-    pairs = [(x, y) for x in ga for y in gb if x["study"] == y["study"] and x["point"] == y["point"]]
+    pairs = [(x, y) for x in ga for y in gb if x.study == y.study and x.point == y.point]
     if not pairs:
         return [], "the two methods never ran in the same study and grid point"
     width: dict[tuple, int] = {}  # (study, point) -> the most rates any group of either kind ran there
     for g in ga + gb:
-        k = (g["study"], g["point"])  # the point is its label, a string
-        width[k] = max(width.get(k, 0), len(g["sweep"]))
+        k = (g.study, g.point)  # the point is its label, a string
+        width[k] = max(width.get(k, 0), len(g.sweep))
     def seeds(x: dict, y: dict) -> int:  # seeds with both at their chosen rate
-        return len(x["at_chosen"]["report_loss"].keys() & y["at_chosen"]["report_loss"].keys())
+        return len(x.at_chosen["report_loss"].keys() & y.at_chosen["report_loss"].keys())
 
-    pairs.sort(key=lambda p: (-seeds(*p), -width[(p[0]["study"], p[0]["point"])],  # stable: selection order kept
-                              -min(len(p[0]["sweep"]), len(p[1]["sweep"]))))
+    pairs.sort(key=lambda p: (-seeds(*p), -width[(p[0].study, p[0].point)],  # stable: selection order kept
+                              -min(len(p[0].sweep), len(p[1].sweep))))
     return pairs, ""
 
 
@@ -102,8 +102,8 @@ def _pair(groups, a: tuple, b: tuple, metric: str, match: str | None = None) -> 
         else:
             note = f" (no pair at the same {match}: each at its best)"
     x, y = pairs[0]
-    d = paired_difference(x["at_chosen"][metric], y["at_chosen"][metric])
-    d["a"], d["b"], d["note"], d["study"] = x["variant"], y["variant"], note, x["study"]
+    d = paired_difference(x.at_chosen[metric], y.at_chosen[metric])
+    d["a"], d["b"], d["note"], d["study"] = x.variant, y.variant, note, x.study
     return d, ""
 
 
@@ -152,15 +152,15 @@ def less(a, b, metric, what):
     return test
 
 
-def _used(groups: list[dict], d: dict | None, chosen: bool) -> list[str]:
+def _used(groups: list[Group], d: dict | None, chosen: bool) -> list[str]:
     """The result files of the two variants a paired difference read (at their chosen rates, or all)."""
     if d is None:
         return []
     out = []
     for g in groups:
-        if g["variant"] in (d.get("a"), d.get("b")) and (not d.get("study") or g["study"] == d["study"]):
-            rates = [g["chosen"]] if chosen and g["chosen"] is not None else list(g.get("cells", {}))
-            out += [c["path"] for m in rates for c in g.get("cells", {}).get(m, []) if c.get("path")]
+        if g.variant in (d.get("a"), d.get("b")) and (not d.get("study") or g.study == d["study"]):
+            rates = [g.chosen] if chosen and g.chosen is not None else list(g.cells)
+            out += [c["path"] for m in rates for c in g.cells.get(m, []) if c.get("path")]
     return out
 
 
@@ -177,7 +177,7 @@ def stable_rate(a: tuple, b: tuple) -> Callable:
 
         def holds(g):
             if rule == "entropy":
-                return g["highest_stable"]
+                return g.highest_stable
             if rule == "near-best":
                 return highest_within(g, delta, top.get(place(g)))
             return highest_within(g, delta)
@@ -186,9 +186,9 @@ def stable_rate(a: tuple, b: tuple) -> Callable:
         if not pairs:
             return not_measurable(why)
         x0, y0 = pairs[0]
-        here = [g for g in groups if g["study"] == x0["study"] and g["point"] == x0["point"]]
-        xs = [g for g in _find(here, *a) if len(g["sweep"]) >= 2]
-        ys = [g for g in _find(here, *b) if len(g["sweep"]) >= 2]
+        here = [g for g in groups if g.study == x0.study and g.point == x0.point]
+        xs = [g for g in _find(here, *a) if len(g.sweep) >= 2]
+        ys = [g for g in _find(here, *b) if len(g.sweep) >= 2]
         if not xs or not ys:
             return not_measurable("needs a learning-rate grid (one rate per method was run)")
 
@@ -198,12 +198,12 @@ def stable_rate(a: tuple, b: tuple) -> Callable:
 
         (x, hx), (y, hy) = best(xs), best(ys)
         used = _all_cells(x, y)
-        tops = {max(g["sweep"]) for g in xs + ys}
+        tops = {max(g.sweep) for g in xs + ys}
         rx, ry = (f"x{h:g}" if h is not None else "none" for h in (hx, hy))
         how = ("with no diverged seed" if rule == "entropy"
                else f"within {delta:g} nats of the best method there, no seed diverged" if rule == "near-best"
                else f"within {delta:g} nats of its own best, no seed diverged")
-        meas = f"highest rate {how}: {x['variant']} {rx}, {y['variant']} {ry} (grid up to x{max(tops):g})"
+        meas = f"highest rate {how}: {x.variant} {rx}, {y.variant} {ry} (grid up to x{max(tops):g})"
         if hx is None or hy is None:
             return Measured("inconclusive", meas, "a method held at no rate", None, used)
         if hx == hy and hx in tops:
@@ -211,8 +211,8 @@ def stable_rate(a: tuple, b: tuple) -> Callable:
         if hx == hy:
             return Measured("inconclusive", meas, "both held up to the same rate: a tie", None, used)
         lo, g_lo = (hy, y) if hx > hy else (hx, x)
-        if max(g_lo["sweep"]) <= lo:  # the less stable one never ran above the rate where it held
-            return Measured("inconclusive", meas, f"{g_lo['variant']} did not run above x{lo:g}", None, used)
+        if max(g_lo.sweep) <= lo:  # the less stable one never ran above the rate where it held
+            return Measured("inconclusive", meas, f"{g_lo.variant} did not run above x{lo:g}", None, used)
         return (Measured("agree", meas, "holds at a higher rate", None, used) if hx > hy
                 else Measured("disagree", meas, "does not hold at a higher rate", None, used))
     return test
@@ -220,7 +220,7 @@ def stable_rate(a: tuple, b: tuple) -> Callable:
 
 def _all_cells(*gs: dict) -> tuple[str, ...]:
     """The result files of every rate and seed of the given groups."""
-    return tuple(c["path"] for g in gs for cs in g.get("cells", {}).values() for c in cs if c.get("path"))
+    return tuple(c["path"] for g in gs for cs in g.cells.values() for c in cs if c.get("path"))
 
 
 def as_ratio(reason: str) -> str:
@@ -241,29 +241,29 @@ def logits_at_same_rate(a: tuple, b: tuple) -> Callable:
             return not_measurable(why)
         x, y = pairs[0]
         if p.get("rate") == "tuned":
-            lx, ly = ({s: math.log10(v) for s, v in g["at_chosen"]["max_logit"].items() if math.isfinite(v) and v > 0}
+            lx, ly = ({s: math.log10(v) for s, v in g.at_chosen["max_logit"].items() if math.isfinite(v) and v > 0}
                       for g in (x, y))
-            d = {**paired_difference(lx, ly), "a": x["variant"], "b": y["variant"]}
-            m = _verdict_less(d, "", "max logit", cells=_used(groups, {**d, "study": x["study"]}, chosen=True),
+            d = {**paired_difference(lx, ly), "a": x.variant, "b": y.variant}
+            m = _verdict_less(d, "", "max logit", cells=_used(groups, {**d, "study": x.study}, chosen=True),
                               ratio=True)
-            meas = (f"{x['variant']} / {y['variant']} at their tuned rates (x{x['chosen']:g}, x{y['chosen']:g}): "
+            meas = (f"{x.variant} / {y.variant} at their tuned rates (x{x.chosen:g}, x{y.chosen:g}): "
                     f"{10 ** d['mean']:.3g}" + (f", 95% CI [{10 ** d['ci_lo']:.3g}, {10 ** d['ci_hi']:.3g}]"
                                                  if d["n"] >= 2 else "") + f", n={d['n']}") if d["n"] else "-"
             return replace(m, measured=meas)
 
         def logs(g, m):
-            return {s: math.log10(v) for s, v in g["sweep"][m].get("max_logit_by_seed", {}).items()
+            return {s: math.log10(v) for s, v in g.sweep[m].get("max_logit_by_seed", {}).items()
                     if math.isfinite(v) and v > 0}
 
-        shared = [m for m in sorted(x["sweep"].keys() & y["sweep"].keys())
-                  if x["sweep"][m]["diverged"] == 0 and y["sweep"][m]["diverged"] == 0
+        shared = [m for m in sorted(x.sweep.keys() & y.sweep.keys())
+                  if x.sweep[m]["diverged"] == 0 and y.sweep[m]["diverged"] == 0
                   and paired_difference(logs(x, m), logs(y, m))["n"] > 0]
         if not shared:
             return not_measurable("no rate at which both ran with no diverged seed and a finite max logit")
         by_rate = {m: paired_difference(logs(x, m), logs(y, m)) for m in shared}
         top = shared[-1]
-        d = {**by_rate[top], "a": x["variant"], "b": y["variant"]}
-        meas = (f"{x['variant']} / {y['variant']} at x{top:g}: {10 ** d['mean']:.3g}"
+        d = {**by_rate[top], "a": x.variant, "b": y.variant}
+        meas = (f"{x.variant} / {y.variant} at x{top:g}: {10 ** d['mean']:.3g}"
                 + (f", 95% CI [{10 ** d['ci_lo']:.3g}, {10 ** d['ci_hi']:.3g}]" if d["n"] >= 2 else "")
                 + f", n={d['n']}; by rate: " + ", ".join(f"x{m:g} {10 ** by_rate[m]['mean']:.2g}" for m in shared))
         return replace(_verdict_less(d, "", "max logit", cells=list(_all_cells(x, y)), ratio=True), measured=meas)
@@ -289,17 +289,17 @@ def probe_claim(key: str, a: tuple, b: tuple, higher: bool) -> Callable:
         pairs, why = _places(groups, a, b)
         if not pairs:
             return not_measurable(why)
-        probed = [(x, y) for x, y in pairs if x["probe_by_seed"] and y["probe_by_seed"]]  # the study that probed
+        probed = [(x, y) for x, y in pairs if x.probe_by_seed and y.probe_by_seed]  # the study that probed
         x, y = (probed or pairs)[0]
-        sa, sb = ({s: float(v) for s, pr in g["probe_by_seed"].items()
+        sa, sb = ({s: float(v) for s, pr in g.probe_by_seed.items()
                    if (v := _probe_value(pr, key, context)) is not None} for g in (x, y))
         if not sa or not sb:
             return not_measurable("no attention probes in these results (set [protocol] probe = 1 or more)"
                                   if not probed else f"the probes have no '{key}'"
                                   + (f" at {context} tokens" if context else ""))
         d = paired_difference(sb, sa) if higher else paired_difference(sa, sb)
-        d["a"], d["b"] = (y["variant"], x["variant"]) if higher else (x["variant"], y["variant"])
-        d["study"] = x["study"]
+        d["a"], d["b"] = (y.variant, x.variant) if higher else (x.variant, y.variant)
+        d["study"] = x.study
         return _verdict_less(d, "", key, p.get("margin", 0.0), _used(groups, d, chosen=True))
     return test
 
@@ -311,9 +311,9 @@ def width_gap(a: tuple, b: tuple) -> Callable:
         gaps: dict[str, dict[int, dict[int, float]]] = {}  # study -> width -> seed -> b - a
         for x in _find(groups, *a):
             for y in _find(groups, *b):
-                if x["study"] == y["study"] and x["point"] == y["point"] and x.get("d_model"):
-                    ya, xa = y["at_chosen"]["report_loss"], x["at_chosen"]["report_loss"]
-                    gaps.setdefault(x["study"], {})[int(x["d_model"])] = {s: ya[s] - xa[s] for s in xa.keys() & ya}
+                if x.study == y.study and x.point == y.point and x.d_model:
+                    ya, xa = y.at_chosen["report_loss"], x.at_chosen["report_loss"]
+                    gaps.setdefault(x.study, {})[int(x.d_model)] = {s: ya[s] - xa[s] for s in xa.keys() & ya}
         study = max(gaps, key=lambda k: len(gaps[k]), default=None)
         if study is None or len(gaps[study]) < 2:
             return not_measurable(f"needs {_name(a)} and {_name(b)} at two or more widths in one study "
@@ -324,8 +324,8 @@ def width_gap(a: tuple, b: tuple) -> Callable:
         d["a"], d["b"] = f"gap at width {lo}", f"gap at width {hi}"
         m = _verdict_less(d, "", "report loss")
         means = ", ".join(f"{w}: {np.mean(list(g.values())):+.3f}" if g else f"{w}: -" for w, g in sorted(by_w.items()))
-        used = [c["path"] for g in groups if g["study"] == study and g in (*_find(groups, *a), *_find(groups, *b))
-                for c in g.get("cells", {}).get(g["chosen"], []) if c.get("path")]
+        used = [c["path"] for g in groups if g.study == study and g in (*_find(groups, *a), *_find(groups, *b))
+                for c in g.cells.get(g.chosen, []) if c.get("path")]
         return replace(m, measured=f"{m.measured}; mean gap ({_name(b)} - {_name(a)}) by width: {means}",
                        cells=tuple(used))
     return test
@@ -343,22 +343,22 @@ def _accuracy(probe: dict[str, Any], context: int) -> float | None:
 def accuracy_control(method: tuple[str, str, str]) -> Any:
     """The control: ``method`` (attention, method, controller) reaches the threshold of retrieval accuracy,
     mean over seeds at its tuned rate: the verdict ``HOLDS`` or ``FAILS`` (a positive control, report.controls)."""
-    def test(groups: list[dict], p: dict) -> Measured:
+    def test(groups: list[Group], p: dict) -> Measured:
         att, meth, ctrl = method
-        gs = sorted((g for g in groups if (g["attention"], g["method"], g["controller"]) == method
-                     and g["chosen"] is not None), key=lambda g: g["sweep"][g["chosen"]]["select"]["mean"])
+        gs = sorted((g for g in groups if (g.attention, g.method, g.controller) == method
+                     and g.chosen is not None), key=lambda g: g.sweep[g.chosen]["select"]["mean"])
         if not gs:
             return not_measurable(f"no finished cells of {att.upper()} {meth} in these results")
         g = gs[0]
         context, threshold = int(p.get("context", 0) or 0), float(p["threshold"])
-        accs = {s: a for s, pr in g["probe_by_seed"].items() if (a := _accuracy(pr, context)) is not None}
-        cells = [c["path"] for c in g.get("cells", {}).get(g["chosen"], []) if c.get("path")]
+        accs = {s: a for s, pr in g.probe_by_seed.items() if (a := _accuracy(pr, context)) is not None}
+        cells = [c["path"] for c in g.cells.get(g.chosen, []) if c.get("path")]
         where = f"{context} tokens" if context else "the training length"
         if not accs:
             return not_measurable(f"the probes have no retrieval accuracy at {where}", cells)
         vals = np.array(list(accs.values()))
         st = difference_stats(list(vals))
-        meas = (f"{g['variant']} at x{g['chosen']:g}: mean accuracy {vals.mean():.3f}"
+        meas = (f"{g.variant} at x{g.chosen:g}: mean accuracy {vals.mean():.3f}"
                 + (f", 95% CI {fmt_ci(st['ci_lo'], st['ci_hi'])}" if len(vals) > 1 else "")
                 + f", seeds from {vals.min():.3f} to {vals.max():.3f}, n={len(vals)}")
         if vals.mean() >= threshold:

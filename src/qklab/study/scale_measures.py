@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from qklab.study.analyze import Group
 from qklab.study.measures import Measured, interval_rule, not_measurable
 from qklab.study.sensitivity import group_sensitivity, group_size, slope, width_ladders
 from qklab.study.stats import difference_stats, fmt_ci
@@ -15,11 +16,11 @@ from qklab.study.stats import difference_stats, fmt_ci
 REFERENCE = "none"  # the method every scale claim is read against (a variant whose method and controller are none)
 
 
-def _plain(g: dict, method: str, controller: str = "none") -> bool:
-    return g["attention"] == "mha" and g["method"] == method and g["controller"] == controller
+def _plain(g: Group, method: str, controller: str = "none") -> bool:
+    return g.attention == "mha" and g.method == method and g.controller == controller
 
 
-def _ladder(groups: list[dict], method: str, controller: str = "none") -> tuple[str | None, dict[int, dict]]:
+def _ladder(groups: list[Group], method: str, controller: str = "none") -> tuple[str | None, dict[int, Group]]:
     """(study, width -> group) of the method's widest ladder (the most widths; ties: the most seeds)."""
     best: tuple[tuple, str | None, dict] = ((0, 0), None, {})
     for study, variants in width_ladders(groups).items():
@@ -33,8 +34,8 @@ def _ladder(groups: list[dict], method: str, controller: str = "none") -> tuple[
     return best[1], best[2]
 
 
-def _files(*ladders: dict[int, dict]) -> tuple[str, ...]:
-    return tuple(c["path"] for by_w in ladders for g in by_w.values() for cs in g.get("cells", {}).values()
+def _files(*ladders: dict[int, Group]) -> tuple[str, ...]:
+    return tuple(c["path"] for by_w in ladders for g in by_w.values() for cs in g.cells.values()
                  for c in cs if c.get("path"))
 
 
@@ -58,17 +59,17 @@ def _verdict(values: dict[int, float], sign: int, what: str, cells: tuple[str, .
 def logit_by_rate() -> Callable:
     """Positive control (a): `none`'s max logit grows with the rate: per seed, the slope of log10 max logit
     against log2 rate over each width's grid, averaged over the widths."""
-    def test(groups: list[dict], p: dict) -> Measured:
+    def test(groups: list[Group], p: dict) -> Measured:
         study, by_w = _ladder(groups, REFERENCE)
         if len(by_w) < 2:
             return not_measurable("needs `none` at two or more widths in one study")
         per_seed: dict[int, list[float]] = {}
         for g in by_w.values():
-            rates = sorted(g["sweep"])
-            seeds = set.intersection(*(set(g["sweep"][m]["max_logit_by_seed"]) for m in rates))
+            rates = sorted(g.sweep)
+            seeds = set.intersection(*(set(g.sweep[m]["max_logit_by_seed"]) for m in rates))
             for s in seeds:
-                ys = [g["sweep"][m]["max_logit_by_seed"][s] for m in rates]
-                xs = [math.log2(g["sweep"][m]["lr"]) for m in rates]
+                ys = [g.sweep[m]["max_logit_by_seed"][s] for m in rates]
+                xs = [math.log2(g.sweep[m]["lr"]) for m in rates]
                 per_seed.setdefault(s, []).append(slope(xs, [math.log10(y) if y > 0 else math.nan for y in ys]))
         values = {s: float(np.mean(v)) for s, v in per_seed.items() if len(v) == len(by_w)
                   and all(math.isfinite(x) for x in v)}
@@ -78,15 +79,15 @@ def logit_by_rate() -> Callable:
 
 def logit_by_width() -> Callable:
     """Positive control (a): `none`'s max logit grows with width, at the highest rate every width ran."""
-    def test(groups: list[dict], p: dict) -> Measured:
+    def test(groups: list[Group], p: dict) -> Measured:
         study, by_w = _ladder(groups, REFERENCE)
         if len(by_w) < 2:
             return not_measurable("needs `none` at two or more widths in one study")
-        shared = set.intersection(*({round(s["lr"], 12) for s in g["sweep"].values()} for g in by_w.values()))
+        shared = set.intersection(*({round(s["lr"], 12) for s in g.sweep.values()} for g in by_w.values()))
         if not shared:
             return not_measurable("no rate that every width ran")
         lr = max(shared)
-        at = {w: next(s for s in g["sweep"].values() if round(s["lr"], 12) == lr)["max_logit_by_seed"]
+        at = {w: next(s for s in g.sweep.values() if round(s["lr"], 12) == lr)["max_logit_by_seed"]
               for w, g in by_w.items()}
         seeds = set.intersection(*(set(m) for m in at.values()))
         xs = [math.log10(group_size(by_w[w])) for w in sorted(by_w)]
@@ -101,7 +102,7 @@ def logit_by_width() -> Callable:
 def sensitivity_slope(method: str, controller: str = "none") -> Callable:
     """The method's LR sensitivity grows less with size than `none`'s: per seed, its slope against log10
     non-embedding parameters minus `none`'s, below zero."""
-    def test(groups: list[dict], p: dict) -> Measured:
+    def test(groups: list[Group], p: dict) -> Measured:
         name = controller if controller != "none" else method
         _, ref = _ladder(groups, REFERENCE)
         _, own = _ladder(groups, method, controller)
@@ -109,7 +110,7 @@ def sensitivity_slope(method: str, controller: str = "none") -> Callable:
         if len(widths) < 2:
             return not_measurable(f"needs `none` and {name} at two or more widths in one study")
 
-        def slopes(by_w: dict[int, dict]) -> dict[int, float]:  # each method against its own sizes
+        def slopes(by_w: dict[int, Group]) -> dict[int, float]:  # each method against its own sizes
             xs = [math.log10(group_size(by_w[w])) for w in widths]
             sens = [group_sensitivity(by_w[w]) for w in widths]
             seeds = set.intersection(*(set(m) for m in sens))

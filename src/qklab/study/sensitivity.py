@@ -22,20 +22,20 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from qklab.study.analyze import Group
 from qklab.study.result import load_result, num
 
 
-def width_ladders(groups: list[dict[str, Any]]) -> dict[str, dict[str, dict[int, dict]]]:
+def width_ladders(groups: list[Group]) -> dict[str, dict[str, dict[int, Group]]]:
     """study -> variant -> width -> group, for the studies whose groups of one variant sit at two or more
     widths, one grid point each (a grid over anything else beside the width is not a ladder)."""
-    out: dict[str, dict[str, dict[int, dict]]] = {}
+    out: dict[str, dict[str, dict[int, list[Group]]]] = {}
     for g in groups:
-        if g.get("d_model"):
-            out.setdefault(g["study"], {}).setdefault(g["variant"], {}).setdefault(int(g["d_model"]), []).append(g)
+        if g.d_model:
+            out.setdefault(g.study, {}).setdefault(g.variant, {}).setdefault(int(g.d_model), []).append(g)
     return {s: {v: {w: gs[0] for w, gs in by_w.items()} for v, by_w in vs.items()}
             for s, vs in out.items()
             if all(len(gs) == 1 for by_w in vs.values() for gs in by_w.values())
@@ -66,22 +66,22 @@ def non_embedding(n_params: float, vocab: float, d_model: float, tied: bool = Tr
     return float(n_params) - float(vocab) * float(d_model) * (1 if tied else 2)
 
 
-def group_size(g: Mapping) -> float:
+def group_size(g: Group) -> float:
     """A group's non-embedding parameter count (NaN when its results do not say)."""
-    n, v, d = g.get("n_params"), g.get("vocab_size"), g.get("d_model")
+    n, v, d = g.n_params, g.vocab_size, g.d_model
     if not (n and v and d):
         return float("nan")
-    return non_embedding(n, v, d, bool(g.get("tie_embeddings", True)))
+    return non_embedding(n, v, d, bool(g.tie_embeddings))
 
 
-def grid_final(g: dict, key: str = "report_loss") -> dict[float, dict[int, float]]:
+def grid_final(g: Group, key: str = "report_loss") -> dict[float, dict[int, float]]:
     """rate multiple -> seed -> ``final[key]`` of every finished cell of an analysed group
     (``analyze._group``), read from its result files after the rate was chosen (``analyze`` reads the report
-    split at the chosen rate only); kept on the group under ``grid_final`` (given there, used as is)."""
-    cache = g.setdefault("grid_final", {})
+    split at the chosen rate only); kept in the group's ``grid_final`` memo (given there, used as is)."""
+    cache = g.grid_final
     if key not in cache:
         out: dict[float, dict[int, float]] = {}
-        for m, cells in g.get("cells", {}).items():
+        for m, cells in g.cells.items():
             for c in cells:
                 res, _ = load_result(Path(c["path"])) if c.get("path") else (None, None)
                 if res is not None and res.get("status") != "failed":
@@ -90,28 +90,28 @@ def grid_final(g: dict, key: str = "report_loss") -> dict[float, dict[int, float
     return cache[key]
 
 
-def tuned_by_seed(g: dict) -> dict[int, float]:
+def tuned_by_seed(g: Group) -> dict[int, float]:
     """seed -> the rate (not the multiple) with that seed's lowest final selection-split loss, for the seeds
     with a finished cell at every rate of the group's grid (a non-finite loss never wins)."""
     grid = grid_final(g, "val_loss")
-    mults = sorted(g["sweep"])
+    mults = sorted(g.sweep)
     seeds = set.intersection(*(set(grid.get(m, {})) for m in mults)) if mults else set()
     out = {}
     for s in sorted(seeds):
         finite = [(grid[m][s], m) for m in mults if math.isfinite(grid[m][s])]
         if finite:
-            out[s] = float(g["sweep"][min(finite)[1]]["lr"])
+            out[s] = float(g.sweep[min(finite)[1]]["lr"])
     return out
 
 
-def group_sensitivity(g: dict) -> dict[int, float]:
+def group_sensitivity(g: Group) -> dict[int, float]:
     """seed -> LR sensitivity of an analysed group over its whole rate grid (``grid_final``: report split),
     for the seeds with a finished cell at every rate; L0 = ln(vocab)."""
     grid = grid_final(g)
-    if not grid or not g.get("vocab_size"):
+    if not grid or not g.vocab_size:
         return {}
-    l0 = math.log(float(g["vocab_size"]))
-    by_rate = [grid.get(m, {}) for m in sorted(g["sweep"])]
+    l0 = math.log(float(g.vocab_size))
+    by_rate = [grid.get(m, {}) for m in sorted(g.sweep)]
     seeds = set.intersection(*(set(r) for r in by_rate)) if by_rate else set()
     return {s: lr_sensitivity([r[s] for r in by_rate], l0) for s in sorted(seeds)}
 
