@@ -13,7 +13,7 @@ import pytest
 from qklab.cli import main
 from qklab.config import ConfigError
 from qklab.report.claims import claims_table, registered_results
-from qklab.study.analyze import Group
+from qklab.study.analyze import Group, RateOutcome
 from qklab.study.catalogue import CATALOGUE
 from qklab.study.plan import (
     amend,
@@ -172,7 +172,7 @@ def _groups(study: str, diffs: list[float]) -> list[Group]:
     def group(variant, method, losses):
         at = {k: {} for k in ("report_loss", "train_loss", "max_logit", "first_token")}
         at["report_loss"] = dict(enumerate(losses))
-        sweep = {1.0: {"select": {"mean": 4.0}, "n": len(losses), "diverged": 0, "failed": 0}}
+        sweep = {1.0: RateOutcome(select={"mean": 4.0}, n=len(losses))}
         cells = {1.0: [{"seed": s, "cell": f"{variant}_s{s}", "path": f"/r/{variant}_s{s}/result.json"}
                        for s in range(len(losses))]}
         return Group(study=study, variant=variant, point="", attention="mha", method=method, controller="none",

@@ -62,7 +62,7 @@ def test_diverged_and_failed_cells_in_the_sweep():
     g = analyze(rs, STUDY).groups[0]
     assert g.chosen == 2.0  # x4 is better on average but a seed diverged; x8 failed
     assert g.highest_stable == 2.0
-    assert g.sweep[4.0]["diverged"] == 1 and g.sweep[8.0]["failed"] == 1
+    assert g.sweep[4.0].diverged == 1 and g.sweep[8.0].failed == 1
     assert g.failed == [{"cell": "std_lr8_s0", "failure": "KeyError: planted", "log": "logs/std.log"}]
 
 
@@ -77,4 +77,4 @@ def test_grid_points_are_labelled_by_their_keys_and_ordered_by_value():
             rs.append(r)
     groups = analyze(rs, {}).groups
     assert [g.point for g in groups] == ["d_model=64,n_heads=1", "d_model=128,n_heads=2", "d_model=256,n_heads=4"]
-    assert [round(g.sweep[1.0]["select"]["mean"], 3) for g in groups] == [4.064, 4.128, 4.256]
+    assert [round(g.sweep[1.0].select["mean"], 3) for g in groups] == [4.064, 4.128, 4.256]

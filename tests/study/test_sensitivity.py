@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from qklab.study.analyze import Group
+from qklab.study.analyze import Group, RateOutcome
 from qklab.study.catalogue import CATALOGUE
 from qklab.study.sensitivity import group_sensitivity, group_size, lr_sensitivity, non_embedding, slope, trend
 
@@ -46,10 +46,9 @@ def _group(variant: str, method: str, controller: str, i: int, losses, logits=No
     """A planted analysed group at width 64 * 2^i, non-embedding size 10^(5 + i), two rates 1e-3 and 2e-3;
     losses(seed) -> the report losses at those rates."""
     d = 64 * 2 ** i
-    sweep = {1.0: {"lr": 1e-3, "max_logit_by_seed": {}}, 2.0: {"lr": 2e-3, "max_logit_by_seed": {}}}
-    for s in range(3):
-        for m, v in zip((1.0, 2.0), (logits or (lambda s: (1.0, 1.0)))(s), strict=True):
-            sweep[m]["max_logit_by_seed"][s] = v
+    by_seed = [logits(s) if logits else (1.0, 1.0) for s in range(3)]  # seed -> (at 1e-3, at 2e-3)
+    sweep = {m: RateOutcome(lr=lr, max_logit_by_seed={s: by_seed[s][k] for s in range(3)})
+             for k, (m, lr) in enumerate(((1.0, 1e-3), (2.0, 2e-3)))}
     grid = {m: {s: losses(s)[k] for s in range(3)} for k, m in enumerate((1.0, 2.0))}
     return Group(study="planted", variant=variant, point=f"d_model={d}", attention="mha", method=method,
                  controller=controller, d_model=d, n_params=10 ** (5 + i) + 4096 * d, vocab_size=4096,

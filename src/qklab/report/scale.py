@@ -81,7 +81,7 @@ def method_scales(groups: list[Group]) -> list[MethodScale]:
                         ws, sz, vals = logits.setdefault(k, ([], [], []))
                         ws.append(w)
                         sz.append(group_size(g))
-                        vals.append(dict(g.sweep[m]["max_logit_by_seed"]))
+                        vals.append(dict(g.sweep[m].max_logit_by_seed))
             out.append(MethodScale(study, variant, widths, [group_size(g) for g in gs],
                                    [group_sensitivity(g) for g in gs], [tuned_by_seed(g) for g in gs], logits,
                                    _limit(gs[0])))

@@ -84,8 +84,8 @@ def summary_lines(groups: list[Group], cells: Cells, limit: int = 12) -> list[st
             line += (f"; {d['mean']:+.3f} vs {md_text(str(g.reference))}, 95% CI "
                      f"{md_text(fmt_ci(d['ci_lo'], d['ci_hi']))}")
         sw = g.sweep.values()
-        total = {"diverged": sum(x["diverged"] for x in sw), "not_learned": sum(x.get("not_learned", 0) for x in sw)}
-        bad = ", ".join(f"{n} {what}" for what, n in unstable(total))
+        bad = ", ".join(f"{n} {what}" for what, n in unstable(sum(x.diverged for x in sw),
+                                                                 sum(x.not_learned for x in sw)))
         lines.append(line + (f" ({bad} over its rates)" if bad else ""))
     if len(ranked) > limit:
         lines.append(f"- ... and {len(ranked) - limit} more variants: the results table below")

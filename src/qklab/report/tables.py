@@ -10,7 +10,7 @@ from urllib.parse import quote
 
 from qklab.report.claims import ClaimRow, claims_table
 from qklab.report.figures import variant_name
-from qklab.study.analyze import DELTA, Group, best_by_place, best_select, grid_edge, highest_within, place
+from qklab.study.analyze import DELTA, Group, RateOutcome, best_by_place, best_select, grid_edge, highest_within, place
 from qklab.study.plan import stored_plan
 from qklab.study.stats import fmt_ci, fmt_mean_std
 
@@ -68,9 +68,9 @@ def results_table(groups: list[Group]) -> Table:
         st, sw = g.stats, g.sweep
         d = g.paired.get("report_loss")
         ch = g.chosen
-        sel = sw[ch]["select"] if ch is not None else None
-        nl = sum(s.get("not_learned", 0) for s in sw.values())
-        div = sum(s["diverged"] for s in sw.values()) - nl
+        sel = sw[ch].select if ch is not None else None
+        nl = sum(s.not_learned for s in sw.values())
+        div = sum(s.diverged for s in sw.values()) - nl
         rows.append([
             variant_name(g), g.attention, g.method or "-",
             g.controller or "-", f"{g.chosen_lr:.3g} (x{ch:g}{grid_edge(ch, sw)})" if ch is not None
@@ -104,11 +104,11 @@ def _p(d: dict | None) -> str:
     return f"{d['p']:.3g}"
 
 
-def unstable(s: dict) -> list[tuple[str, int]]:
-    """[("diverged", 1), ("not learned", 2)]: a rate's seeds that blew up and that did not learn (the
-    registered rule's diverged seeds, ``analyze``'s sweep), those it has."""
-    nl = s.get("not_learned", 0)
-    return [(what, n) for what, n in (("diverged", s["diverged"] - nl), ("not learned", nl)) if n]
+def unstable(diverged: int, not_learned: int) -> list[tuple[str, int]]:
+    """[("diverged", 1), ("not learned", 2)]: of the seeds the registered rule counts as diverged (a rate's,
+    ``RateOutcome``, or a variant's over its rates), those that blew up and those that did not learn,
+    where there are any."""
+    return [(what, n) for what, n in (("diverged", diverged - not_learned), ("not learned", not_learned)) if n]
 
 
 def results_links(groups: list[Group], cells: Cells) -> Links:
@@ -142,21 +142,22 @@ def sensitivity_table(groups: list[Group]) -> Table:
             s = g.sweep.get(m)
             if s is None:
                 cells.append("not run")
-            elif s["diverged"] and s["diverged"] == s["n"] - s["failed"]:
-                cells.append(", ".join(f"{what} ({n}/{s['n']})" for what, n in unstable(s)))
+            elif s.diverged and s.diverged == s.n - s.failed:
+                cells.append(", ".join(f"{what} ({n}/{s.n})" for what, n in unstable(s.diverged, s.not_learned)))
             else:
-                cells.append(fmt_mean_std(s["select"]) + "".join(f", {n} {what}" for what, n in unstable(s))
-                             + (f", {s['failed']} failed" if s["failed"] else ""))
+                cells.append(fmt_mean_std(s.select) + "".join(f", {n} {what}" for what, n in
+                                                              unstable(s.diverged, s.not_learned))
+                             + (f", {s.failed} failed" if s.failed else ""))
         hs = g.highest_stable
         rows.append([g.variant, g.attention, *cells, f"x{g.chosen:g}" if g.chosen is not None else "-",
                      f"x{hs:g}" if hs is not None else "-"])
     return head, rows
 
 
-def _late(s: dict) -> str:
+def _late(s: RateOutcome) -> str:
     """'0.102 (1750-2000)': the mean fall of the selection loss over the last evaluation interval, over
     the seeds that did not diverge; a run that still falls fast at the end has not converged."""
-    d, st = s.get("late_drop") or {"n": 0}, s.get("late_steps")
+    d, st = s.late_drop, s.late_steps
     return f"{d['mean']:.3f} ({st[0]}-{st[1]})" if d["n"] and st else "-"
 
 
@@ -171,13 +172,12 @@ def stability_table(groups: list[Group]) -> Table:
     for g in groups:
         uni = g.unigram_entropy
         for m, s in sorted(g.sweep.items()):
-            sel = s.get("select_all", s["select"])
-            ml = s.get("max_logit") or {"mean": float("nan"), "n": 0}
-            rows.append([g.variant, g.attention, f"{s['lr']:.3g} (x{m:g})", str(s["n"]), fmt_mean_std(sel),
+            sel = s.select_all
+            ml = s.max_logit or {"mean": float("nan"), "n": 0}
+            rows.append([g.variant, g.attention, f"{s.lr:.3g} (x{m:g})", str(s.n), fmt_mean_std(sel),
                          f"{uni - sel['mean']:.3f}" if sel["n"] else "-", _late(s),
-                         f"{ml['mean']:.1f}" if ml["n"] else "-", str(s.get("spikes", 0)),
-                         f"{s['diverged'] - s.get('not_learned', 0)}/{s['n']}",
-                         f"{s.get('not_learned', 0)}/{s['n']}", f"{s['failed']}/{s['n']}"])
+                         f"{ml['mean']:.1f}" if ml["n"] else "-", str(s.spikes),
+                         f"{s.diverged - s.not_learned}/{s.n}", f"{s.not_learned}/{s.n}", f"{s.failed}/{s.n}"])
     return head, rows
 
 
@@ -200,7 +200,7 @@ def stable_rates_table(groups: list[Group], studies: dict[str, dict]) -> Table:
         d, b = _delta(studies.get(g.study)), best.get(place(g))
 
         def rate(m, g=g):
-            return f"{g.sweep[m]['lr']:.3g} (x{m:g})" if m is not None else "none"
+            return f"{g.sweep[m].lr:.3g} (x{m:g})" if m is not None else "none"
         own = best_select(g)
         rows.append([variant_name(g), g.attention, g.study, f"{d:g}", f"{own:.3f}" if math.isfinite(own) else "-",
                      rate(g.highest_stable), rate(highest_within(g, d)),
@@ -212,18 +212,18 @@ def grid_table(groups: list[Group]) -> Table:
     """The whole grid at a glance, one row per learning rate and one column per variant: final
     selection-split loss over every finished seed (mean ± std) / mean final max logit, and how many seeds
     diverged or did not learn. Give it one study's groups: a column per variant and grid point."""
-    lrs = sorted({round(s["lr"], 12) for g in groups for s in g.sweep.values() if math.isfinite(s["lr"])})
+    lrs = sorted({round(s.lr, 12) for g in groups for s in g.sweep.values() if math.isfinite(s.lr)})
     head = ["lr", *map(variant_name, groups)]
     rows = []
     for lr in lrs:
         row = [f"{lr:.3g}"]
         for g in groups:
-            s = next((s for s in g.sweep.values() if round(s["lr"], 12) == lr), None)
-            if s is None or s["n"] == s["failed"]:
-                row.append("-" if s is None else f"failed ({s['failed']}/{s['n']})")
+            s = next((s for s in g.sweep.values() if round(s.lr, 12) == lr), None)
+            if s is None or s.n == s.failed:
+                row.append("-" if s is None else f"failed ({s.failed}/{s.n})")
                 continue
-            ml, bad = s["max_logit"], ", ".join(f"{k}/{s['n']} {what}" for what, k in unstable(s))
-            row.append(fmt_mean_std(s.get("select_all", s["select"]), 2)
+            ml, bad = s.max_logit, ", ".join(f"{k}/{s.n} {what}" for what, k in unstable(s.diverged, s.not_learned))
+            row.append(fmt_mean_std(s.select_all, 2)
                        + (f" / {ml['mean']:.0f}" if ml["n"] else "") + (f" ({bad})" if bad else ""))
         rows.append(row)
     return head, rows

@@ -35,6 +35,26 @@ BySeed = dict[int, float]
 
 
 @dataclass(frozen=True)
+class RateOutcome:
+    """One rate multiple of a group: what its cells reached over the seeds. ``diverged`` counts every seed
+    whose loss ended above the unigram entropy, those that blew up and those that did not learn;
+    ``not_learned`` the latter (``result.CellOutcome``)."""
+
+    lr: float = math.nan
+    n: int = 0  # cells
+    diverged: int = 0
+    not_learned: int = 0
+    failed: int = 0
+    select: Stats = field(default_factory=dict)  # final selection-split loss of the seeds that did not diverge
+    select_all: Stats = field(default_factory=dict)  # of every finished seed (the stability table)
+    max_logit: Stats = field(default_factory=dict)
+    max_logit_by_seed: BySeed = field(default_factory=dict)
+    spikes: int = 0
+    late_drop: Stats = field(default_factory=lambda: {"n": 0})  # how far the selection loss still fell at the end
+    late_steps: list[int] | None = None  # the last evaluation interval
+
+
+@dataclass(frozen=True)
 class Group:
     """One variant at one grid point of one study: its cells by rate multiple and seed, the rate chosen on the
     selection split, the report-split numbers at that rate, and the paired differences to its reference.
@@ -54,7 +74,7 @@ class Group:
     tie_embeddings: bool = True
     n_cells: int = 0
     failed: list[dict[str, Any]] = field(default_factory=list)  # {"cell", "failure", "log"} of each failed cell
-    sweep: dict[float, dict[str, Any]] = field(default_factory=dict)  # rate multiple -> its seeds' outcomes
+    sweep: dict[float, RateOutcome] = field(default_factory=dict)  # rate multiple -> its seeds' outcomes
     cells: dict[float, list[dict[str, Any]]] = field(default_factory=dict)  # rate multiple -> its cells' files
     chosen: float | None = None  # the chosen rate multiple (None: no rate eligible)
     chosen_lr: float | None = None
@@ -208,8 +228,8 @@ def _key(r: dict) -> tuple[str, str, str]:
 DELTA = 0.1  # nats: the delta rule's default (a study's registered plan may set its own)
 
 
-def _mean_select(s: dict) -> float:
-    m = s["select"].get("mean", float("nan")) if s["diverged"] == 0 and s["n"] > s["failed"] else float("nan")
+def _mean_select(s: RateOutcome) -> float:
+    m = s.select.get("mean", float("nan")) if s.diverged == 0 and s.n > s.failed else float("nan")
     return m if m is not None else float("nan")
 
 
@@ -311,20 +331,18 @@ def _group(key: tuple, rs: list[dict]) -> Group:
         div = [c for c in fin if c["diverged"]]
         select[m] = [num(c["final"]["val_loss"]) for c in fin]
         eligible[m] = bool(fin) and not div and len(fin) == len(cs)
-        sweep[m] = {"lr": num(fin[0]["lr"]) if fin else float("nan"), "n": len(cs), "diverged": len(div),
-                    "not_learned": sum(cell_outcome(c) is CellOutcome.NOT_LEARNED for c in div),  # of the diverged
-                    "failed": len(cs) - len(fin), "select": describe([x for c, x in zip(fin, select[m], strict=True)
-                                                                         if not c["diverged"]]),
-                    "select_all": describe(select[m]),  # diverged cells included: the stability table
-                    "max_logit": describe([num(c["final"].get("max_logit")) for c in fin]),
-                    "max_logit_by_seed": {c["seed"]: num(c["final"].get("max_logit")) for c in fin},
-                    "spikes": sum(int(c.get("spikes") or 0) for c in fin),
-                    "late_drop": describe([_late_drop(c) for c in fin if not c["diverged"]]),
-                    "late_steps": _late_steps(fin)}
+        sweep[m] = RateOutcome(
+            lr=num(fin[0]["lr"]) if fin else float("nan"), n=len(cs), diverged=len(div),
+            not_learned=sum(cell_outcome(c) is CellOutcome.NOT_LEARNED for c in div), failed=len(cs) - len(fin),
+            select=describe([x for c, x in zip(fin, select[m], strict=True) if not c["diverged"]]),
+            select_all=describe(select[m]), max_logit=describe([num(c["final"].get("max_logit")) for c in fin]),
+            max_logit_by_seed={c["seed"]: num(c["final"].get("max_logit")) for c in fin},
+            spikes=sum(int(c.get("spikes") or 0) for c in fin),
+            late_drop=describe([_late_drop(c) for c in fin if not c["diverged"]]), late_steps=_late_steps(fin))
     chosen = select_rate(select, eligible)
     cells = {m: [{"seed": c["seed"], "cell": c["cell"], "path": c.get("_path")} for c in cs]
              for m, cs in sorted(by_mult.items())}
-    stable = [m for m, s in sweep.items() if s["diverged"] == 0 and s["n"] > s["failed"]]
+    stable = [m for m, s in sweep.items() if s.diverged == 0 and s.n > s.failed]
     at: dict[str, dict[int, float]] = {k: {} for k in ("report_loss", "val_loss", "train_loss", "max_logit",
                                                         "first_token", "logit_change", "tokens_per_s",
                                                         "cpu_seconds")}
@@ -347,7 +365,7 @@ def _group(key: tuple, rs: list[dict]) -> Group:
         tie_embeddings=cfg.get("model", {}).get("tie_embeddings", True), n_cells=len(rs),
         failed=[{"cell": r["cell"], "failure": r.get("failure"), "log": r.get("log")}
                 for r in rs if r["status"] == "failed"],
-        sweep=sweep, cells=cells, chosen=chosen, chosen_lr=sweep[chosen]["lr"] if chosen is not None else None,
+        sweep=sweep, cells=cells, chosen=chosen, chosen_lr=sweep[chosen].lr if chosen is not None else None,
         highest_stable=max(stable) if stable else None, at_chosen=at,
         stats={k: describe(list(v.values())) for k, v in at.items()},
         curves=[c["curves"] for c in chosen_cells], heads=[c.get("heads", {}) for c in chosen_cells],

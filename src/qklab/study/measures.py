@@ -54,7 +54,7 @@ def _find(groups: list[Group], attention: str, method: str = "none", controller:
     """Groups of one kind (several when, e.g., two taus were run): the best by selection loss first."""
     gs = [g for g in groups if g.attention == attention and g.method == method
           and g.controller == controller and g.chosen is not None]
-    return sorted(gs, key=lambda g: g.sweep[g.chosen]["select"]["mean"])
+    return sorted(gs, key=lambda g: g.sweep[g.chosen].select["mean"])
 
 
 def _option(g: Group, key: str):
@@ -252,11 +252,11 @@ def logits_at_same_rate(a: tuple, b: tuple) -> Callable:
             return replace(m, measured=meas)
 
         def logs(g, m):
-            return {s: math.log10(v) for s, v in g.sweep[m].get("max_logit_by_seed", {}).items()
+            return {s: math.log10(v) for s, v in g.sweep[m].max_logit_by_seed.items()
                     if math.isfinite(v) and v > 0}
 
         shared = [m for m in sorted(x.sweep.keys() & y.sweep.keys())
-                  if x.sweep[m]["diverged"] == 0 and y.sweep[m]["diverged"] == 0
+                  if x.sweep[m].diverged == 0 and y.sweep[m].diverged == 0
                   and paired_difference(logs(x, m), logs(y, m))["n"] > 0]
         if not shared:
             return not_measurable("no rate at which both ran with no diverged seed and a finite max logit")
@@ -346,7 +346,7 @@ def accuracy_control(method: tuple[str, str, str]) -> Any:
     def test(groups: list[Group], p: dict) -> Measured:
         att, meth, ctrl = method
         gs = sorted((g for g in groups if (g.attention, g.method, g.controller) == method
-                     and g.chosen is not None), key=lambda g: g.sweep[g.chosen]["select"]["mean"])
+                     and g.chosen is not None), key=lambda g: g.sweep[g.chosen].select["mean"])
         if not gs:
             return not_measurable(f"no finished cells of {att.upper()} {meth} in these results")
         g = gs[0]

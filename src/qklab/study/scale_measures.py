@@ -66,10 +66,10 @@ def logit_by_rate() -> Callable:
         per_seed: dict[int, list[float]] = {}
         for g in by_w.values():
             rates = sorted(g.sweep)
-            seeds = set.intersection(*(set(g.sweep[m]["max_logit_by_seed"]) for m in rates))
+            seeds = set.intersection(*(set(g.sweep[m].max_logit_by_seed) for m in rates))
             for s in seeds:
-                ys = [g.sweep[m]["max_logit_by_seed"][s] for m in rates]
-                xs = [math.log2(g.sweep[m]["lr"]) for m in rates]
+                ys = [g.sweep[m].max_logit_by_seed[s] for m in rates]
+                xs = [math.log2(g.sweep[m].lr) for m in rates]
                 per_seed.setdefault(s, []).append(slope(xs, [math.log10(y) if y > 0 else math.nan for y in ys]))
         values = {s: float(np.mean(v)) for s, v in per_seed.items() if len(v) == len(by_w)
                   and all(math.isfinite(x) for x in v)}
@@ -83,11 +83,11 @@ def logit_by_width() -> Callable:
         study, by_w = _ladder(groups, REFERENCE)
         if len(by_w) < 2:
             return not_measurable("needs `none` at two or more widths in one study")
-        shared = set.intersection(*({round(s["lr"], 12) for s in g.sweep.values()} for g in by_w.values()))
+        shared = set.intersection(*({round(s.lr, 12) for s in g.sweep.values()} for g in by_w.values()))
         if not shared:
             return not_measurable("no rate that every width ran")
         lr = max(shared)
-        at = {w: next(s for s in g.sweep.values() if round(s["lr"], 12) == lr)["max_logit_by_seed"]
+        at = {w: next(s for s in g.sweep.values() if round(s.lr, 12) == lr).max_logit_by_seed
               for w, g in by_w.items()}
         seeds = set.intersection(*(set(m) for m in at.values()))
         xs = [math.log10(group_size(by_w[w])) for w in sorted(by_w)]

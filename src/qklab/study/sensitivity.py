@@ -100,7 +100,7 @@ def tuned_by_seed(g: Group) -> dict[int, float]:
     for s in sorted(seeds):
         finite = [(grid[m][s], m) for m in mults if math.isfinite(grid[m][s])]
         if finite:
-            out[s] = float(g.sweep[min(finite)[1]]["lr"])
+            out[s] = float(g.sweep[min(finite)[1]].lr)
     return out
 
 
