@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import qklab.train.trainer as trainer_module
+import qklab.train.progress as progress_module
 from qklab.config import load_config
 from qklab.train.trainer import Trainer
 
@@ -24,7 +24,7 @@ def test_no_bar_updates_without_a_terminal(tmp_path, capsys, monkeypatch):
     assert cap.err == "" and "\r" not in cap.out
     assert [ln for ln in cap.out.splitlines() if ln.startswith("step ")] == [ln for ln in cap.out.splitlines()
                                                                             if "val_loss" in ln]  # eval lines only
-    monkeypatch.setattr(trainer_module, "PROGRESS_EVERY_S", 0.0)  # as if each logged step came a minute later
+    monkeypatch.setattr(progress_module, "PROGRESS_EVERY_S", 0.0)  # as if each logged step came a minute later
     _run(tmp_path, "lines")
     cap = capsys.readouterr()
     notes = [ln.split(":")[0] for ln in cap.out.splitlines() if "tokens/s" in ln]

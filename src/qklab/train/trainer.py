@@ -5,21 +5,16 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import random
-import sys
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from tqdm import tqdm
 
 from qklab.atomic import atomic_write_text
-from qklab.config import RunConfig, comparable
+from qklab.config import RunConfig
 from qklab.data import PreparedData, prepare_data
 from qklab.data.mqar import IGNORE, MQARData
 from qklab.data.retrieval import train_loader
@@ -37,15 +32,15 @@ from qklab.rundir.metrics import MetricsLog, NoMetrics
 from qklab.train.checkpointer import Checkpointer
 from qklab.train.evaluate import eval_loss, max_attention_logits
 from qklab.train.optim import build_optimizer, lr_mult, set_lr
+from qklab.train.progress import Progress
+from qklab.train.resume import restore_run_state, resume_point, run_state, seed_everything
 from qklab.train.signals import RunInterrupted, StopSignals
-from qklab.train.startup import check_resume_config, machines, pick_device, run_name, versions
+from qklab.train.startup import machines, pick_device, run_name, versions
 from qklab.train.trackers import build_trackers
 from qklab.version import git_sha
 
 # how a run may end without a bug: the user's to fix (one line), a non-finite stop, a signal
 EXPECTED = (UserError, OSError, NonFiniteError, RunInterrupted)
-
-PROGRESS_EVERY_S = 60.0  # train.progress without a terminal: one progress line at most this often
 
 
 @dataclass
@@ -106,14 +101,7 @@ class Trainer:
             torch.set_flush_denormal(True)
         if self.dist.is_main:
             Checkpointer.clean(self.ckpt_dir)  # left by a killed writer or a full disk; frees the space first
-        found = Checkpointer.find(self.ckpt_dir, warn=self._log_line) if resume else None
-        if resume and found is None:
-            raise ConfigError(f"--resume: no usable checkpoint in {self.ckpt_dir}; start the run without --resume")
-        if found is not None:
-            check_resume_config(cfg, found[1].get("config") or {}, found[1].get("world", 1), self.dist.world)
-        if not resume and not overwrite and Checkpointer.has_checkpoints(self.ckpt_dir):
-            raise ConfigError(f"run folder {self.run_dir} already has checkpoints; pass --resume to continue "
-                              "it, --overwrite to start again, or set train.name")
+        found = resume_point(self.ckpt_dir, cfg, resume, overwrite, self.dist.world, warn=self._log_line)
 
         self.data = data or prepare_data(cfg.data, log=self.echo)
         if cfg.model.vocab_size == 0:
@@ -121,7 +109,7 @@ class Trainer:
         elif cfg.model.vocab_size < self.data.vocab_size:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} < tokenizer vocab {self.data.vocab_size}; "
                               "set it to 0 to take the tokenizer's")
-        _seed_everything(t.seed)
+        seed_everything(t.seed)
         self.model = GPT(cfg.model, cfg.qk).to(self.device)
         self.parallel = strategy(self.dist, self._cpu_model)  # one process, DDP or FSDP2: asked, not tested
         self.parallel.prepare(self.model)  # before the optimizers and the controller: they hold its parameters
@@ -148,7 +136,7 @@ class Trainer:
         self.spikes = SpikeDetector()
         self.step, self.skipped, self._saved_at = 0, 0, -1
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # steps not read yet (flush)
-        self._bar = None  # the progress bar while run() runs
+        self._progress: Progress | None = None  # the progress bar (or line a minute) while run() runs
         if found is not None:
             self._restore(*found)
             self._log_line(f"resumed {self.run_dir} at step {self.step} from {found[0].name}")
@@ -204,28 +192,9 @@ class Trainer:
         self.folder.release()
         self.dist.close()
 
-    def _state(self) -> dict[str, Any]:
-        """Everything a checkpoint holds besides the weights and the optimizer states (the checkpointer's),
-        on every rank: a controller may reduce."""
-        return {"controller": self.controller.state_dict(),
-                "loader": self.loader.state_dict(),
-                "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_rng_state(), "python": random.getstate(),
-                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-                "spikes": self.spikes.state_dict(), "skipped": self.skipped, "config": comparable(self.cfg),
-                "world": self.dist.world}
-
     def _restore(self, path: Path, state: dict[str, Any]) -> None:
         self.checkpointer.restore(path, state)  # weights and optimizer states, whatever wrote them
-        self.controller.load_state_dict(state["controller"])
-        self.loader.load_state_dict(state["loader"])
-        rng = state["rng"]
-        torch.set_rng_state(rng["torch"])
-        _set_numpy_rng_state(rng["numpy"])
-        random.setstate(rng["python"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        self.step, self.skipped = state["step"], state.get("skipped", 0)
-        self.spikes.load_state_dict(state.get("spikes", {}))
+        self.step, self.skipped = restore_run_state(state, self.controller, self.loader, self.spikes)
 
     def _cpu_model(self) -> GPT:
         """An unsharded CPU GPT of this config, its weights left uninitialised (FSDP checkpoints)."""
@@ -248,7 +217,8 @@ class Trainer:
             self.metrics.log(self.step, event="nonfinite_weights")
             raise NonFiniteError(f"weights are non-finite at step {self.step}; no checkpoint written, the last good "
                                  f"one is {self.checkpointer.latest() or 'none'}")
-        path = self.checkpointer.save(self.step, self._state())
+        path = self.checkpointer.save(self.step, run_state(self.controller, self.loader, self.spikes, self.skipped,
+                                                           self.cfg, self.dist.world))
         self._saved_at = self.step
         return path
 
@@ -345,19 +315,14 @@ class Trainer:
     def run(self) -> TrainResult:
         t = self.cfg.train
         tokens_per_step = t.batch_size * self.dist.world * t.seq_len * t.grad_accum  # the global batch
-        show = t.progress and self.dist.is_main
-        live = show and (sys.stderr.isatty() or bool(os.environ.get("QKLAB_PROGRESS")))  # a bar only on a terminal
-        bar = tqdm(total=t.steps, initial=self.step, desc=self.run_dir.name, disable=not live,
-                   dynamic_ncols=True, leave=True)
-        noted = time.monotonic()  # without a terminal: a line a minute (at a logged step) instead of the bar
+        progress = Progress(t.steps, self.step, self.run_dir.name, show=t.progress and self.dist.is_main)
         last = {}
-        tps_hist: list[float] = []
         stop = StopSignals()  # SIGTERM / SIGINT: checkpoint at the next step boundary, then RunInterrupted
         # a signal is checked after every step where that costs no device sync, else at each flush
         signals_every_step = not self.dist.active or self.device.type == "cpu"
         try:
             stop.install()
-            self._bar = bar
+            self._progress = progress
             if self.monitor is not None:  # the reference for the first logit change; logged at step 0 only
                 base = self._diagnose()
                 if self.step == 0:
@@ -365,7 +330,7 @@ class Trainer:
             t0, s0 = time.perf_counter(), self.step
             while self.step < t.steps:
                 self.train_step()
-                bar.update(1)
+                progress.update()
                 end = self.step == t.steps
                 at_log, at_eval = self.step % t.log_every == 0 or end, self.step % t.eval_every == 0 or end
                 at_diag = self.monitor is not None and (self.step % t.diag_every == 0 or end)
@@ -375,11 +340,7 @@ class Trainer:
                 if synced:
                     _, loss, gnorm = self.flush()[-1]  # the one host sync of these steps
                     tps = tokens_per_step * (self.step - s0) / (time.perf_counter() - t0)  # over train steps only
-                    tps_hist.append(tps)
-                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
-                    if show and not live and time.monotonic() - noted >= PROGRESS_EVERY_S:
-                        noted = time.monotonic()
-                        self._echo(f"step {self.step}/{t.steps}: loss {loss:.3f}, {tps:,.0f} tokens/s")
+                    progress.measured(self.step, loss, tps)
                 if at_log:
                     rec.update(loss=loss, grad_norm=gnorm, lr=self.optimizers[0].param_groups[0]["lr"],
                                tokens_per_s=tps, tokens=self.step * tokens_per_step, **self.controller.metrics(),
@@ -408,46 +369,24 @@ class Trainer:
             raise
         finally:
             stop.restore()
-            self._bar = None
-            bar.close()
+            self._progress = None
+            progress.close()
             self.close()
         if not last:
             last = self.evaluate()
-        steady = tps_hist[len(tps_hist) // 5 :] or tps_hist or [0.0]
         self._log_line(f"done at step {self.step}: val_loss {last['val_loss']:.4f}, skipped {self.skipped} steps",
                   echo=False)
-        return TrainResult(self.run_dir, last["val_loss"], last["max_logit"], float(np.median(steady)), self.step,
-                           self.skipped, self.dist.is_main)
+        return TrainResult(self.run_dir, last["val_loss"], last["max_logit"], progress.steady_tokens_per_s(),
+                           self.step, self.skipped, self.dist.is_main)
 
     def _echo(self, msg: str) -> None:
         """A line for the user beside the progress bar while run() runs (else through echo), not kept in
         train.log; rank 0 speaks for the run."""
         if self.dist.is_main:
-            (self._bar.write if self._bar is not None else self.echo)(msg)
+            (self._progress.write if self._progress is not None else self.echo)(msg)
 
     def _stop_on_signal(self, name: str, signum: int) -> None:
         path = self.save() if self._saved_at != self.step else self.ckpt_dir / f"step_{self.step:07d}"
         self.metrics.log(self.step, event="signal", signal=name)
         raise RunInterrupted(f"stopped by {name} at step {self.step}; checkpoint {path} written; continue with "
                              "--resume", signum)
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _numpy_rng_state() -> dict[str, Any]:
-    """numpy's global RNG state in plain Python values (its key a list of ints, not an array), so that
-    state.pt loads without unpickling numpy (``qklab.rundir.checkpoint.STATE_GLOBALS``)."""
-    state = np.random.get_state(legacy=False)
-    return {**state, "state": {**state["state"], "key": state["state"]["key"].tolist()}}
-
-
-def _set_numpy_rng_state(saved: dict[str, Any] | tuple) -> None:
-    """Restore numpy's global RNG from ``_numpy_rng_state``, or from the ``np.random.get_state()`` tuple
-    that checkpoints written before it hold."""
-    if isinstance(saved, dict):
-        saved = {**saved, "state": {**saved["state"], "key": np.asarray(saved["state"]["key"], dtype=np.uint32)}}
-    np.random.set_state(saved)
