@@ -51,10 +51,10 @@ def test_control_holds_and_the_claims_are_read_at_the_registered_context(tmp_pat
     assert f"mean accuracy {np.mean(acc):.3f}" in ctrl.measured and "n=8" in ctrl.measured
     ev = rows["qkmap.evidence_contrast"]
     d = np.subtract(CONTRAST["qkmap"], CONTRAST["none"])  # at 256 tokens, by hand
-    assert ev.stats["mean"] == pytest.approx(-d.mean()) and ev.stats["n"] == 8  # none - qkmap: < 0 agrees
+    assert ev.stats.mean == pytest.approx(-d.mean()) and ev.stats.n == 8  # none - qkmap: < 0 agrees
     assert ev.verdict == "agree" and ev.p_holm == pytest.approx(2 * 2 / 2 ** 8)  # two claims in the family
     vs = rows["qkmap.evidence_contrast_vs_qknorm"]
-    assert vs.stats["mean"] == pytest.approx(np.subtract(CONTRAST["qknorm"], CONTRAST["qkmap"]).mean())
+    assert vs.stats.mean == pytest.approx(np.subtract(CONTRAST["qknorm"], CONTRAST["qkmap"]).mean())
     assert vs.family == ev.family == "QK-MAP"
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from qklab.report import render, write_report
 from qklab.report.claim_row import ClaimRow
+from qklab.study.measures import ClaimStats
 from tests.report.test_report import _write
 
 LINK = re.compile(r"(?<!\\)\[((?:\\.|[^\]\\])*)\]\(([^)\s]+)\)")
@@ -116,7 +117,8 @@ def test_results_numbers_link_to_their_cells(report):
     assert row["variant"] == "quack" and row["bootstrap 95%"] == "-"  # no number, no link
 
 
-PLANTED = [ClaimRow(**r) for r in [  # claims rows as claims.claims_table gives them
+PLANTED = [ClaimRow(**{**r, "stats": ClaimStats(**{"a": None, "b": None, **r["stats"]}) if r.get("stats") else None})
+           for r in [  # claims rows as claims.claims_table gives them
     {"id": "qkmap.val", "paper": "QK-MAP", "claim": "lower validation loss than Standard attention",
      "status": "confirmatory", "measurement": "report-split loss, paired over seeds",
      "measured": "qkmap - none: -0.120",

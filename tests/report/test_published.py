@@ -114,12 +114,12 @@ def test_published_chosen_rates_are_interior(study, groups):
         if len(mults) == 1:
             continue
         i = mults.index(g.chosen)
-        best = sweep[g.chosen].select["mean"]
-        assert sweep[mults[i + 1]].select["mean"] > best, g.variant
+        best = sweep[g.chosen].select.mean
+        assert sweep[mults[i + 1]].select.mean > best, g.variant
         if "qkclip" in g.variant:
             assert i == 0
         else:
-            assert i > 0 and sweep[mults[i - 1]].select["mean"] > best, g.variant
+            assert i > 0 and sweep[mults[i - 1]].select.mean > best, g.variant
 
 
 def test_committed_report_matches_the_code(study, rows):

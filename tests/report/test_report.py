@@ -484,7 +484,7 @@ def test_two_seed_claim_is_underpowered(tmp_path):
 
     rows = {r.claim: r for r in claims_table(_qkmap_study(tmp_path, 2, effect=-0.3))}
     r = rows["lower validation loss than Standard attention"]
-    assert r.stats["n"] == 2 and r.stats["p_flip"] == pytest.approx(0.5)
+    assert r.stats.n == 2 and r.stats.p_flip == pytest.approx(0.5)
     assert r.verdict == "underpowered" and r.verdict_old == "agree", r
     assert r.reason.startswith("2 paired seeds: the exact sign-flip test needs 6"), r
 
@@ -500,14 +500,14 @@ def test_new_rule_uses_holm_across_the_papers_claims(tmp_path):
     fam = [r for r in rows.values() if r.stats is not None]
     assert {r.paper for r in fam} == {"QK-MAP"} and len(fam) == 5
     r = rows["lower validation loss than Standard attention"]
-    assert r.stats["p_flip"] == pytest.approx(2 / 64) and r.p_holm == pytest.approx(5 * 2 / 64)
+    assert r.stats.p_flip == pytest.approx(2 / 64) and r.p_holm == pytest.approx(5 * 2 / 64)
     assert r.q_bh == pytest.approx(2 / 64)  # BH: m p(i) / i, all five at 2/64
     assert r.verdict == "inconclusive" and r.verdict_old == "agree" and "Holm p = 0.156" in r.reason, r
     rows8 = {r.claim: r for r in claims_table(_qkmap_study(tmp_path, 8))}
     r = rows8["lower validation loss than Standard attention"]
     assert r.p_holm == pytest.approx(5 * 2 / 256) and r.verdict == "agree", r
     r = rows8["lower validation loss than QK-Norm"]
-    assert r.verdict == "agree" and r.stats["df"] == 7, r
+    assert r.verdict == "agree" and r.stats.df == 7, r
     head, body = claims_rows(_qkmap_study(tmp_path, 8))
     row = next(b for b in body if b[1] == "lower validation loss than Standard attention")
     got = dict(zip(head, row, strict=True))
@@ -539,10 +539,12 @@ def test_p_values_need_six_paired_seeds_and_absolute_intervals_carry_no_sign():
     """Below 6 paired seeds the exact sign-flip test cannot go under 2/2^n, so no p is printed as if it
     could decide; a loss's interval is printed as the loss is, without a difference's signs."""
     from qklab.report.tables import _p, abs_ci
+    from qklab.study.stats import Difference
 
-    assert _p({"n": 5, "p": 0.001}) == "n=5 too few (sign-flip floor 0.062)"
-    assert _p({"n": 2, "p": 0.3}) == "n=2 too few (sign-flip floor 0.5)"
-    assert _p({"n": 6, "p": 0.0012345}) == "0.00123" and _p(None) == "-" and _p({"n": 8, "p": float("nan")}) == "-"
+    assert _p(Difference(n=5, p=0.001)) == "n=5 too few (sign-flip floor 0.062)"
+    assert _p(Difference(n=2, p=0.3)) == "n=2 too few (sign-flip floor 0.5)"
+    assert _p(Difference(n=6, p=0.0012345)) == "0.00123" and _p(None) == "-"
+    assert _p(Difference(n=8, p=float("nan"))) == "-"
     assert abs_ci(5.0191, 5.7573) == "[5.019, 5.757]" and abs_ci(float("nan"), 1.0) == "-"
 
 

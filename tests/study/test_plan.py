@@ -26,6 +26,7 @@ from qklab.study.plan import (
     stored_plan,
 )
 from qklab.study.result import read_result
+from qklab.study.stats import Summary
 
 SETS = {"train.steps": 4, "train.lr": 1e-2, "train.eval_every": 2, "train.ckpt_every": 2, "train.diag_every": 0,
         "data.max_files": 20}
@@ -172,7 +173,7 @@ def _groups(study: str, diffs: list[float]) -> list[Group]:
     def group(variant, method, losses):
         at = {k: {} for k in ("report_loss", "train_loss", "max_logit", "first_token")}
         at["report_loss"] = dict(enumerate(losses))
-        sweep = {1.0: RateOutcome(select={"mean": 4.0}, n=len(losses))}
+        sweep = {1.0: RateOutcome(select=Summary(n=len(losses), mean=4.0), n=len(losses))}
         cells = {1.0: [{"seed": s, "cell": f"{variant}_s{s}", "path": f"/r/{variant}_s{s}/result.json"}
                        for s in range(len(losses))]}
         return Group(study=study, variant=variant, point="", attention="mha", method=method, controller="none",

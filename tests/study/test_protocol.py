@@ -48,12 +48,12 @@ def test_selection_never_reads_the_report_split():
         r["final"] = Watched(r["cell"], r["final"])
     a = analyze(rs, STUDY)
     g = next(g for g in a.groups if g.variant == "map")
-    assert g.chosen == 1.0 and g.stats["report_loss"]["mean"] == pytest.approx(5.3)
+    assert g.chosen == 1.0 and g.stats["report_loss"].mean == pytest.approx(5.3)
     report_reads = {c for c, k in Watched.reads if k == "report_loss"}
     assert report_reads and all("_lr1_" in c for c in report_reads)  # never at the rate not chosen
     # paired against the reference on the same seeds: map - std = 5.3 - (5.1 + 0.01 s)
     d = g.paired["report_loss"]
-    assert d["n"] == 3 and d["mean"] == pytest.approx(0.19) and d["seeds"] == [0, 1, 2]
+    assert d.n == 3 and d.mean == pytest.approx(0.19) and d.seeds == (0, 1, 2)
 
 
 def test_diverged_and_failed_cells_in_the_sweep():
@@ -77,4 +77,4 @@ def test_grid_points_are_labelled_by_their_keys_and_ordered_by_value():
             rs.append(r)
     groups = analyze(rs, {}).groups
     assert [g.point for g in groups] == ["d_model=64,n_heads=1", "d_model=128,n_heads=2", "d_model=256,n_heads=4"]
-    assert [round(g.sweep[1.0].select["mean"], 3) for g in groups] == [4.064, 4.128, 4.256]
+    assert [round(g.sweep[1.0].select.mean, 3) for g in groups] == [4.064, 4.128, 4.256]

@@ -86,21 +86,21 @@ def test_scale_claims_by_hand():
     m = _measure("scale.qknorm_sensitivity", gs)
     verdict, measured, st = m.verdict, m.measured, m.stats
     t = 0.2 / (0.05 / math.sqrt(3))
-    assert st["mean"] == pytest.approx(-0.2) and st["n"] == 3
-    assert st["p"] == pytest.approx(1 - t / math.sqrt(2 + t * t))  # the t distribution's cdf at 2 df, closed form
+    assert st.mean == pytest.approx(-0.2) and st.n == 3
+    assert st.p == pytest.approx(1 - t / math.sqrt(2 + t * t))  # the t distribution's cdf at 2 df, closed form
     assert verdict == "agree" and "-0.2" in measured
     # quack's sensitivity is flat: slope 0 against none's 0.25 at every seed (no spread): -0.25 each
     st = _measure("scale.quack_sensitivity", gs).stats
-    assert st["mean"] == pytest.approx(-0.25) and st["p"] == 0.0
+    assert st.mean == pytest.approx(-0.25) and st.p == 0.0
     # none's max logit per doubling: mean over widths of 0.3 + 0.1 s + 0.1 i = 0.4 + 0.1 s; claimed > 0
     m = _measure("scale.control_logit_rate", gs)
     verdict, measured, st = m.verdict, m.measured, m.stats
-    assert st["mean"] == pytest.approx(-0.5) and verdict == "agree"  # statistics of the claimed-below form
+    assert st.mean == pytest.approx(-0.5) and verdict == "agree"  # statistics of the claimed-below form
     assert "+0.5" in measured
     # at the highest rate every width ran (2e-3): log10 max logit 1.3 + 0.1 s + 0.1 i, 0.1 per decade of size
     m = _measure("scale.control_logit_width", gs)
     verdict, measured, st = m.verdict, m.measured, m.stats
-    assert st["mean"] == pytest.approx(-0.1) and "rate 0.002" in measured and verdict == "agree"
+    assert st.mean == pytest.approx(-0.1) and "rate 0.002" in measured and verdict == "agree"
     # no method that ran nowhere: not measurable
     assert _measure("scale.quest_sensitivity", gs).verdict == "not measurable"
 

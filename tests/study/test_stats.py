@@ -31,15 +31,15 @@ def t3_cdf(t: float) -> float:
 def test_describe_by_hand():
     d = describe([1.0, 2.0, 4.0])
     mean, sd = 7 / 3, math.sqrt(7 / 3)  # sum of squares 42/9, over n-1 = 2
-    assert d["n"] == 3 and d["mean"] == pytest.approx(mean) and d["std"] == pytest.approx(sd)
+    assert d.n == 3 and d.mean == pytest.approx(mean) and d.std == pytest.approx(sd)
     half = T975[2] * sd / math.sqrt(3)
-    assert d["ci_lo"] == pytest.approx(mean - half) and d["ci_hi"] == pytest.approx(mean + half)
+    assert d.ci_lo == pytest.approx(mean - half) and d.ci_hi == pytest.approx(mean + half)
 
 
 def test_describe_ignores_non_finite_and_one_value_has_no_interval():
     d = describe([3.0, float("nan"), float("inf")])
-    assert d["n"] == 1 and d["mean"] == 3.0 and math.isnan(d["std"]) and math.isnan(d["ci_lo"])
-    assert describe([])["n"] == 0
+    assert d.n == 1 and d.mean == 3.0 and math.isnan(d.std) and math.isnan(d.ci_lo)
+    assert describe([]).n == 0
 
 
 def test_paired_difference_by_hand():
@@ -49,15 +49,15 @@ def test_paired_difference_by_hand():
     mean, sd = d.mean(), d.std(ddof=1)
     t = mean / (sd / 2)
     out = paired_difference(a, b)
-    assert out["n"] == 4 and out["seeds"] == [0, 1, 2, 3]
-    assert out["mean"] == pytest.approx(mean) and out["std"] == pytest.approx(sd)
-    assert out["t"] == pytest.approx(t)
-    assert out["p"] == pytest.approx(2 * (1 - t3_cdf(abs(t))), rel=1e-9)
-    assert out["ci_hi"] == pytest.approx(mean + T975[3] * sd / 2)
+    assert out.n == 4 and out.seeds == (0, 1, 2, 3)
+    assert out.mean == pytest.approx(mean) and out.std == pytest.approx(sd)
+    assert out.t == pytest.approx(t)
+    assert out.p == pytest.approx(2 * (1 - t3_cdf(abs(t))), rel=1e-9)
+    assert out.ci_hi == pytest.approx(mean + T975[3] * sd / 2)
     # the percentile bootstrap against the exact distribution of all 4^4 resamples
     means = sorted(np.mean(c) for c in itertools.product(d, repeat=4))
     lo, hi = np.quantile(means, [0.025, 0.975])
-    assert out["boot_lo"] == pytest.approx(lo, abs=0.006) and out["boot_hi"] == pytest.approx(hi, abs=0.006)
+    assert out.boot_lo == pytest.approx(lo, abs=0.006) and out.boot_hi == pytest.approx(hi, abs=0.006)
 
 
 def test_bootstrap_degenerate_and_reproducible():
@@ -70,7 +70,7 @@ def test_bootstrap_degenerate_and_reproducible():
 
 def test_identical_differences():
     out = paired_difference({0: 2.0, 1: 3.0}, {0: 1.0, 1: 2.0})
-    assert out["mean"] == 1.0 and out["std"] == 0.0 and out["p"] == 0.0 and out["t"] == math.inf
+    assert out.mean == 1.0 and out.std == 0.0 and out.p == 0.0 and out.t == math.inf
 
 
 def _flip_by_hand(d: list[float]) -> float:
@@ -90,7 +90,7 @@ def test_sign_flip_p_by_hand():
         assert sign_flip_p(d) == pytest.approx(_flip_by_hand(d)), d
     assert sign_flip_p([0.1] * 5) == pytest.approx(2 / 32) == min_sign_flip_p(5)  # all one sign: the floor
     assert sign_flip_p([0.0, 0.0]) == 1.0 and math.isnan(sign_flip_p([]))
-    assert paired_difference({0: 1.3, 1: 0.9, 2: 1.2, 3: 1.4}, {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0})["p_flip"] == (
+    assert paired_difference({0: 1.3, 1: 0.9, 2: 1.2, 3: 1.4}, {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}).p_flip == (
         pytest.approx(4 / 16))
 
 
@@ -102,8 +102,8 @@ def test_min_seeds_for_alpha():
 def test_paired_difference_df_and_effect():
     out = paired_difference({0: 1.3, 1: 0.9, 2: 1.2, 3: 1.4}, {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0})
     d = np.array([0.3, -0.1, 0.2, 0.4])
-    assert out["df"] == 3 and out["effect"] == pytest.approx(d.mean() / d.std(ddof=1))
-    assert out["diffs"] == pytest.approx(list(d))
+    assert out.df == 3 and out.effect == pytest.approx(d.mean() / d.std(ddof=1))
+    assert out.diffs == pytest.approx(list(d))
 
 
 def test_holm_by_hand():

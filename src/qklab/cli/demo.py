@@ -71,11 +71,11 @@ def _print_table(results) -> None:
         ml = describe([num(r["final"].get("max_logit")) for r in ok])
         ft = describe([num(r["final"].get("first_token")) for r in ok])
         tps = describe([num(r.get("tokens_per_s")) for r in ok])
-        loss = f"{rep['mean']:.4f}" + (f" ± {rep['std']:.4f}" if math.isfinite(rep["std"]) else "")
+        loss = f"{rep.mean:.4f}" + (f" ± {rep.std:.4f}" if math.isfinite(rep.std) else "")
         status = ", ".join(f"{how.count(o)} {o}" for o in CellOutcome if o in how)
         att = rs[0].get("attention", "?")
-        print(f"{label:<18} {att:<4} {len(ok):>2} {loss:>16} {ml['mean']:>10.2f} {ft['mean']:>9.3f} "
-              f"{tps['mean']:>7,.0f}  {status}")
+        print(f"{label:<18} {att:<4} {len(ok):>2} {loss:>16} {ml.mean:>10.2f} {ft.mean:>9.3f} "
+              f"{tps.mean:>7,.0f}  {status}")
     if unlearned:
         uni = num(unlearned[0].get("unigram_entropy"))
         steps = unlearned[0].get("final", {}).get("step")

@@ -33,7 +33,7 @@ def _test(r: ClaimRow | None) -> str:
         return "grid rule" if r.measured != "-" else "-"
     holm = r.p_holm
     adj = f", Holm p {holm:.3g}" if isinstance(holm, float) and math.isfinite(holm) else ""
-    return f"n={st['n']}, sign-flip p {st['p_flip']:.3g}{adj}"
+    return f"n={st.n}, sign-flip p {st.p_flip:.3g}{adj}"
 
 
 def _verdict(r: ClaimRow | None) -> str:

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from qklab.study.measures import ClaimStats
+
 
 @dataclass(frozen=True)
 class ClaimRow:
@@ -22,7 +24,7 @@ class ClaimRow:
     measured: str = "-"
     verdict_old: str = ""
     reason_old: str = ""
-    stats: dict[str, Any] | None = None
+    stats: ClaimStats | None = None
     params: dict[str, Any] = field(default_factory=dict)
     study: str | None = None
     family: str = ""

@@ -53,33 +53,33 @@ def _new_verdict(old: str, reason: str, st: dict | None, p_holm: float, alpha: f
                  test: str | None = None) -> tuple[str, str]:
     """VERDICT_RULE, from the old rule's verdict and reason, the claim's statistics and its Holm p (of the
     t-test's p for a claim registered with test = "t")."""
-    if test == T_TEST and st is not None and old != NOT_MEASURABLE and st["n"] < 2:
-        return "underpowered", f"{st['n']} seed: the paired t-test needs 2 or more (old rule: {reason})"
+    if test == T_TEST and st is not None and old != NOT_MEASURABLE and st.n < 2:
+        return "underpowered", f"{st.n} seed: the paired t-test needs 2 or more (old rule: {reason})"
     if test == T_TEST and st is not None and old != NOT_MEASURABLE:
-        side = "below" if st["ci_hi"] < st["margin"] else "above" if st["ci_lo"] > st["margin"] else None
+        side = "below" if st.ci_hi < st.margin else "above" if st.ci_lo > st.margin else None
         if p_holm < alpha and side:
             return ("agree" if side == "below" else "disagree"), (
                 f"paired t-test, Holm p = {p_holm:.3g} < {alpha:g}: {reason}")
         return "inconclusive", (f"paired t-test, Holm p = {p_holm:.3g} is not below {alpha:g}" if p_holm >= alpha
                                 else f"paired t-test: {reason}")
     verdict, why = _new_verdict_raw(old, reason, st, p_holm, alpha)
-    return verdict, (as_ratio(why) if st and st.get("log_ratio") and st["n"] >= min_seeds(alpha) else why)
+    return verdict, (as_ratio(why) if st and st.log_ratio and st.n >= min_seeds(alpha) else why)
 
 
 def _new_verdict_raw(old: str, reason: str, st: dict | None, p_holm: float, alpha: float) -> tuple[str, str]:
     if st is None or old == NOT_MEASURABLE:  # a grid-rule claim, or nothing to test
         return old, reason
     need = min_seeds(alpha)
-    if st["n"] < need:
-        return "underpowered", (f"{st['n']} paired seed{'s' * (st['n'] > 1)}: the exact sign-flip test needs "
+    if st.n < need:
+        return "underpowered", (f"{st.n} paired seed{'s' * (st.n > 1)}: the exact sign-flip test needs "
                                 f"{need} to reach p < {alpha:g} (old rule: {reason})")
-    side = "below" if st["ci_hi"] < st["margin"] else "above" if st["ci_lo"] > st["margin"] else None
+    side = "below" if st.ci_hi < st.margin else "above" if st.ci_lo > st.margin else None
     if p_holm < alpha and side:
         return ("agree" if side == "below" else "disagree"), (
-            f"Holm p = {p_holm:.3g} < {alpha:g} and the whole interval is {side} {st['margin']:g}")
+            f"Holm p = {p_holm:.3g} < {alpha:g} and the whole interval is {side} {st.margin:g}")
     if p_holm >= alpha:
         return "inconclusive", f"Holm p = {p_holm:.3g} is not below {alpha:g}"
-    return "inconclusive", "the interval contains " + (f"{st['margin']:+g}" if st["margin"] else "0")
+    return "inconclusive", "the interval contains " + (f"{st.margin:+g}" if st.margin else "0")
 
 
 def _scope(kind: str, p: dict) -> tuple[str, str]:
@@ -144,7 +144,7 @@ def _table(groups: list[Group], plans: dict[str, dict] | None) -> list[ClaimRow]
     adjusted: dict[str, tuple[float, float]] = {}  # claim id -> (Holm p, BH q) within its family
     for family in dict.fromkeys(r.family for r in rows):
         fam = [r for r in rows if r.family == family and r.stats is not None and r.status == "confirmatory"]
-        ps = [r.stats["p" if r.params.get("test") == T_TEST else "p_flip"] for r in fam]
+        ps = [(r.stats.p if r.params.get("test") == T_TEST else r.stats.p_flip) for r in fam]
         adjusted |= {r.id: (h, q) for r, h, q in zip(fam, holm(ps), benjamini_hochberg(ps), strict=True)}
     out = []
     for r in rows:

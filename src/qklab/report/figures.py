@@ -56,18 +56,18 @@ def figure_data(groups: list[Group]) -> dict[str, Any]:
         mults = sorted(g.sweep)
         data["lr_sensitivity"].setdefault(att, {})[label] = {
             "lr": [g.sweep[m].lr for m in mults], "lr_mult": mults,
-            "mean": [g.sweep[m].select["mean"] for m in mults],
-            "std": [g.sweep[m].select["std"] for m in mults],
+            "mean": [g.sweep[m].select.mean for m in mults],
+            "std": [g.sweep[m].select.std for m in mults],
             "diverged": [g.sweep[m].diverged for m in mults], "n": [g.sweep[m].n for m in mults],
             "chosen_lr": g.chosen_lr}
         data["logit_by_rate"].setdefault(att, {})[label] = {  # every finished seed, diverged ones included
             "lr": [g.sweep[m].lr for m in mults], "lr_mult": mults,
-            "mean": [g.sweep[m].max_logit["mean"] for m in mults],
-            "std": [g.sweep[m].max_logit["std"] for m in mults],
+            "mean": [g.sweep[m].max_logit.mean for m in mults],
+            "std": [g.sweep[m].max_logit.std for m in mults],
             "diverged": [g.sweep[m].diverged for m in mults], "n": [g.sweep[m].n for m in mults]}
         ft = g.stats["first_token"]
         data["first_token"].setdefault(att, {})[label] = {
-            "mean": ft["mean"], "std": ft["std"], "n": ft["n"], "uniform": uniform_first_token(g.seq_len or 0)}
+            "mean": ft.mean, "std": ft.std, "n": ft.n, "uniform": uniform_first_token(g.seq_len or 0)}
         if g.probe_by_seed:
             data["probes"].setdefault(att, {})[label] = _probe_series(list(g.probe_by_seed.values()))
         if g.head_series:  # the lowest seed's run at the chosen rate: its heads' spread over time

@@ -59,11 +59,11 @@ def ladder_table(groups: list[Group]) -> Table:
         for w in widths:
             x = r["widths"].get(w)
             d = x["gap"] if x else None
-            cells.append(f"{d['mean']:+.3f} {fmt_ci(d['ci_lo'], d['ci_hi'])}; {x['rates']}" if d and d["n"] else "-")
+            cells.append(f"{d.mean:+.3f} {fmt_ci(d.ci_lo, d.ci_hi)}; {x['rates']}" if d and d.n else "-")
         c = r["change"]
         body.append([r["study"], r["variant"], r["reference"], *cells,
-                     f"{c['mean']:+.3f} {fmt_ci(c['ci_lo'], c['ci_hi'])}" if c and c["n"] else "-",
-                     str(c["n"]) if c else "0", f"{c['p_flip']:.3g}" if c and c["n"] else "-"])
+                     f"{c.mean:+.3f} {fmt_ci(c.ci_lo, c.ci_hi)}" if c and c.n else "-",
+                     str(c.n) if c else "0", f"{c.p_flip:.3g}" if c and c.n else "-"])
     return head, body
 
 

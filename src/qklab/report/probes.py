@@ -86,9 +86,9 @@ def _cell(vals: dict[int, float], ref: dict[int, float] | None) -> str:
     if ref is None:
         return txt
     d = paired_difference(vals, ref)
-    if d["n"] == 0:
+    if d.n == 0:
         return txt
-    return txt + f" ({d['mean']:+.3f}" + (f" {fmt_ci(d['ci_lo'], d['ci_hi'])})" if d["n"] >= 2 else ", one seed)")
+    return txt + f" ({d.mean:+.3f}" + (f" {fmt_ci(d.ci_lo, d.ci_hi)})" if d.n >= 2 else ", one seed)")
 
 
 def probes_tables(groups: list[Group]) -> dict[str, Table]:

@@ -108,7 +108,7 @@ def scale_sensitivity_table(rows: list[MethodScale]) -> Table:
                 cells.append("-")
                 continue
             d = describe(list(r.sensitivity[r.widths.index(w)].values()))
-            cells.append(f"{d['mean']:.3f} {fmt_ci(d['ci_lo'], d['ci_hi'])} (n={d['n']})" if d["n"] else "-")
+            cells.append(f"{d.mean:.3f} {fmt_ci(d.ci_lo, d.ci_hi)} (n={d.n})" if d.n else "-")
         body.append([r.study, r.variant, *cells, _fit(r.sensitivity_trend()), r.limit or ""])
     return head, body
 
@@ -132,8 +132,8 @@ def scale_data(rows: list[MethodScale]) -> dict[str, Any]:
         ds = [describe(list(m.values())) for m in r.sensitivity]
         t = r.sensitivity_trend()
         out.setdefault(r.study, {})[r.variant] = {
-            "size": r.sizes, "mean": [d["mean"] for d in ds], "lo": [d["ci_lo"] for d in ds],
-            "hi": [d["ci_hi"] for d in ds], "n": [d["n"] for d in ds], "slope": t.slope,
+            "size": r.sizes, "mean": [d.mean for d in ds], "lo": [d.ci_lo for d in ds],
+            "hi": [d.ci_hi for d in ds], "n": [d.n for d in ds], "slope": t.slope,
             "slope_lo": t.boot_lo, "slope_hi": t.boot_hi, "intercept": t.intercept}
     return out
 

@@ -65,24 +65,24 @@ class Report:
 def summary_lines(groups: list[Group], cells: Cells, limit: int = 12) -> list[str]:
     """The opening block, per variant at its chosen rate: the report loss with its interval and its paired
     difference to the reference; ordered by report loss, at most ``limit`` (the rest: the results table)."""
-    ranked = sorted(groups, key=lambda g: (g.chosen is None, g.stats["report_loss"]["mean"]
-                                           if g.stats["report_loss"]["n"] else math.inf))
+    ranked = sorted(groups, key=lambda g: (g.chosen is None, g.stats["report_loss"].mean
+                                           if g.stats["report_loss"].n else math.inf))
     lines = []
     for g in ranked[:limit]:
         name, st, ch = variant_name(g), g.stats["report_loss"], g.chosen
         where = f" (`{g.study}`)" if g.multi else ""
-        if ch is None or not st["n"]:
+        if ch is None or not st.n:
             lines.append(f"- **{md_text(name)}**{where}: no rate eligible (every rate diverged, did not learn or "
                          "failed)")
             continue
         at = cells.link(cell_paths(g, ch), f"{name} ({g.study}) at its chosen rate x{ch:g}")
-        loss = f"report loss {st['mean']:.3f}, 95% CI {abs_ci(st['ci_lo'], st['ci_hi'])}, n={st['n']}"
+        loss = f"report loss {st.mean:.3f}, 95% CI {abs_ci(st.ci_lo, st.ci_hi)}, n={st.n}"
         line = (f"- **{md_text(name)}**{where} at {g.chosen_lr:.3g} (x{ch:g}{grid_edge(ch, g.sweep)}): "
                 + (f"[{md_text(loss)}]({at})" if at else md_text(loss)))
         d = g.paired.get("report_loss")
-        if d and d["n"] and g.reference != g.variant:
-            line += (f"; {d['mean']:+.3f} vs {md_text(str(g.reference))}, 95% CI "
-                     f"{md_text(fmt_ci(d['ci_lo'], d['ci_hi']))}")
+        if d and d.n and g.reference != g.variant:
+            line += (f"; {d.mean:+.3f} vs {md_text(str(g.reference))}, 95% CI "
+                     f"{md_text(fmt_ci(d.ci_lo, d.ci_hi))}")
         sw = g.sweep.values()
         bad = ", ".join(f"{n} {what}" for what, n in unstable(sum(x.diverged for x in sw),
                                                                  sum(x.not_learned for x in sw)))
@@ -112,13 +112,13 @@ def answers(rows: list[ClaimRow], cells: Cells) -> list[str]:
             verdict += f" under the amended plan; **{r.verdict_registered or '-'}** under the registered plan"
         st = r.stats
         holm = f", Holm p {r.p_holm:.3g}" if math.isfinite(r.p_holm) else ""
-        if st and st.get("log_ratio"):
-            what = f"{st['a']} / {st['b']}: " if st.get("a") else "ratio "
-            num = (f"{what}{10 ** st['mean']:.3g}, 95% CI [{10 ** st['ci_lo']:.3g}, {10 ** st['ci_hi']:.3g}], "
-                   f"n={st['n']}{holm}")
+        if st and st.log_ratio:
+            what = f"{st.a} / {st.b}: " if st.a else "ratio "
+            num = (f"{what}{10 ** st.mean:.3g}, 95% CI [{10 ** st.ci_lo:.3g}, {10 ** st.ci_hi:.3g}], "
+                   f"n={st.n}{holm}")
         elif st:
-            what = f"{st['a']} - {st['b']}: " if st.get("a") else "mean difference "
-            num = f"{what}{st['mean']:+.3f}, 95% CI {fmt_ci(st['ci_lo'], st['ci_hi'])}, n={st['n']}{holm}"
+            what = f"{st.a} - {st.b}: " if st.a else "mean difference "
+            num = f"{what}{st.mean:+.3f}, 95% CI {fmt_ci(st.ci_lo, st.ci_hi)}, n={st.n}{holm}"
         else:
             num = f"measured: {r.measured}" if r.measured != "-" else "nothing measured"
         to = cells.link(r.cells or [], f"{r.paper}: {r.claim}")

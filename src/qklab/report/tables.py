@@ -12,7 +12,7 @@ from qklab.report.claims import ClaimRow, claims_table
 from qklab.report.figures import variant_name
 from qklab.study.analyze import DELTA, Group, RateOutcome, best_by_place, best_select, grid_edge, highest_within, place
 from qklab.study.plan import stored_plan
-from qklab.study.stats import fmt_ci, fmt_mean_std
+from qklab.study.stats import Difference, fmt_ci, fmt_mean_std
 
 Table = tuple[list[str], list[list[str]]]
 
@@ -75,10 +75,10 @@ def results_table(groups: list[Group]) -> Table:
             variant_name(g), g.attention, g.method or "-",
             g.controller or "-", f"{g.chosen_lr:.3g} (x{ch:g}{grid_edge(ch, sw)})" if ch is not None
             else "none eligible",
-            str(st["report_loss"]["n"]), fmt_mean_std(sel) if sel else "-", fmt_mean_std(st["report_loss"]),
-            abs_ci(st["report_loss"]["ci_lo"], st["report_loss"]["ci_hi"]),
-            f"{d['mean']:+.3f} vs {g.reference}" if d and d["n"] else "-",
-            fmt_ci(d["ci_lo"], d["ci_hi"]) if d else "-", fmt_ci(d["boot_lo"], d["boot_hi"]) if d else "-",
+            str(st["report_loss"].n), fmt_mean_std(sel) if sel else "-", fmt_mean_std(st["report_loss"]),
+            abs_ci(st["report_loss"].ci_lo, st["report_loss"].ci_hi),
+            f"{d.mean:+.3f} vs {g.reference}" if d and d.n else "-",
+            fmt_ci(d.ci_lo, d.ci_hi) if d else "-", fmt_ci(d.boot_lo, d.boot_hi) if d else "-",
             _p(d),
             fmt_mean_std(st["max_logit"], 1), fmt_mean_std(st["first_token"]),
             f"{div}/{g.n_cells}", f"{nl}/{g.n_cells}", f"{len(g.failed)}/{g.n_cells}"])
@@ -93,15 +93,15 @@ def abs_ci(lo: float, hi: float, digits: int = 3) -> str:
     return f"[{lo:.{digits}f}, {hi:.{digits}f}]" if math.isfinite(lo) and math.isfinite(hi) else "-"
 
 
-def _p(d: dict | None) -> str:
+def _p(d: Difference | None) -> str:
     """A paired difference's p-value, or why none is shown: with fewer than FEW_SEEDS seeds the exact
     sign-flip test cannot go below 2/2^n (0.0625 at 5), so a t-test's small p would claim more than the
     seeds can."""
-    if not d or not math.isfinite(d.get("p", math.nan)):
+    if not d or not math.isfinite(d.p):
         return "-"
-    if d["n"] < FEW_SEEDS:
-        return f"n={d['n']} too few (sign-flip floor {2 / 2 ** d['n']:.2g})"
-    return f"{d['p']:.3g}"
+    if d.n < FEW_SEEDS:
+        return f"n={d.n} too few (sign-flip floor {2 / 2 ** d.n:.2g})"
+    return f"{d.p:.3g}"
 
 
 def unstable(diverged: int, not_learned: int) -> list[tuple[str, int]]:
@@ -158,7 +158,7 @@ def _late(s: RateOutcome) -> str:
     """'0.102 (1750-2000)': the mean fall of the selection loss over the last evaluation interval, over
     the seeds that did not diverge; a run that still falls fast at the end has not converged."""
     d, st = s.late_drop, s.late_steps
-    return f"{d['mean']:.3f} ({st[0]}-{st[1]})" if d["n"] and st else "-"
+    return f"{d.mean:.3f} ({st[0]}-{st[1]})" if d.n and st else "-"
 
 
 def stability_table(groups: list[Group]) -> Table:
@@ -175,8 +175,8 @@ def stability_table(groups: list[Group]) -> Table:
             sel = s.select_all
             ml = s.max_logit or {"mean": float("nan"), "n": 0}
             rows.append([g.variant, g.attention, f"{s.lr:.3g} (x{m:g})", str(s.n), fmt_mean_std(sel),
-                         f"{uni - sel['mean']:.3f}" if sel["n"] else "-", _late(s),
-                         f"{ml['mean']:.1f}" if ml["n"] else "-", str(s.spikes),
+                         f"{uni - sel.mean:.3f}" if sel.n else "-", _late(s),
+                         f"{ml.mean:.1f}" if ml.n else "-", str(s.spikes),
                          f"{s.diverged - s.not_learned}/{s.n}", f"{s.not_learned}/{s.n}", f"{s.failed}/{s.n}"])
     return head, rows
 
@@ -224,7 +224,7 @@ def grid_table(groups: list[Group]) -> Table:
                 continue
             ml, bad = s.max_logit, ", ".join(f"{k}/{s.n} {what}" for what, k in unstable(s.diverged, s.not_learned))
             row.append(fmt_mean_std(s.select_all, 2)
-                       + (f" / {ml['mean']:.0f}" if ml["n"] else "") + (f" ({bad})" if bad else ""))
+                       + (f" / {ml.mean:.0f}" if ml.n else "") + (f" ({bad})" if bad else ""))
         rows.append(row)
     return head, rows
 
@@ -233,13 +233,13 @@ def throughput_table(groups: list[Group]) -> Table:
     ref = {}
     for g in groups:
         if g.variant == g.reference:
-            ref[(g.study, g.point, g.attention)] = g.stats["tokens_per_s"]["mean"]
+            ref[(g.study, g.point, g.attention)] = g.stats["tokens_per_s"].mean
     head = ["variant", "attn", "tokens/s (mean over seeds)", "relative to reference", "CPU s per cell"]
     rows = []
     for g in groups:
-        t = g.stats["tokens_per_s"]["mean"]
+        t = g.stats["tokens_per_s"].mean
         r = ref.get((g.study, g.point, g.attention))
-        cpu = g.stats["cpu_seconds"]["mean"]
+        cpu = g.stats["cpu_seconds"].mean
         rows.append([g.variant, g.attention, f"{t:,.0f}" if math.isfinite(t) else "-",
                      f"{t / r:.2f}x" if r and math.isfinite(t) and math.isfinite(r) else "-",
                      f"{cpu:,.0f}" if math.isfinite(cpu) else "-"])
@@ -280,8 +280,8 @@ def claims_rows(groups: list[Group], rows: list[ClaimRow] | None = None, studies
     for r in rows:
         st = r.stats
         cols = (["-"] * 10 if st is None else
-                [str(st["n"]), str(st["df"]), f"{st['mean']:+.3f}", fmt_ci(st["ci_lo"], st["ci_hi"]),
-                 fmt_ci(st["boot_lo"], st["boot_hi"]), _g(st["effect"]), _g(st["p"]), _g(st["p_flip"]),
+                [str(st.n), str(st.df), f"{st.mean:+.3f}", fmt_ci(st.ci_lo, st.ci_hi),
+                 fmt_ci(st.boot_lo, st.boot_hi), _g(st.effect), _g(st.p), _g(st.p_flip),
                  _g(r.p_holm), _g(r.q_bh)])
         body.append([r.paper, r.claim, r.measurement, r.measured, _verdict(r), _reason(r),
                      r.verdict_old, *cols])

@@ -28,9 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from qklab.study.result import CellOutcome, cell_outcome, load_result, num, read_json
-from qklab.study.stats import describe, paired_difference
+from qklab.study.stats import Difference, Summary, describe, paired_difference
 
-Stats = dict[str, Any]  # stats.describe: n, mean, std, ci_lo, ci_hi, ...
 BySeed = dict[int, float]
 
 
@@ -45,12 +44,12 @@ class RateOutcome:
     diverged: int = 0
     not_learned: int = 0
     failed: int = 0
-    select: Stats = field(default_factory=dict)  # final selection-split loss of the seeds that did not diverge
-    select_all: Stats = field(default_factory=dict)  # of every finished seed (the stability table)
-    max_logit: Stats = field(default_factory=dict)
+    select: Summary = Summary()  # final selection-split loss of the seeds that did not diverge
+    select_all: Summary = Summary()  # of every finished seed (the stability table)
+    max_logit: Summary = Summary()
     max_logit_by_seed: BySeed = field(default_factory=dict)
     spikes: int = 0
-    late_drop: Stats = field(default_factory=lambda: {"n": 0})  # how far the selection loss still fell at the end
+    late_drop: Summary = Summary()  # how far the selection loss still fell over the last evaluation interval
     late_steps: list[int] | None = None  # the last evaluation interval
 
 
@@ -80,7 +79,7 @@ class Group:
     chosen_lr: float | None = None
     highest_stable: float | None = None  # the highest rate with no diverged seed
     at_chosen: dict[str, BySeed] = field(default_factory=dict)  # metric -> seed -> value at the chosen rate
-    stats: dict[str, Stats] = field(default_factory=dict)  # metric -> its description over those seeds
+    stats: dict[str, Summary] = field(default_factory=dict)  # metric -> its description over those seeds
     curves: list[dict[str, Any]] = field(default_factory=list)  # of the cells at the chosen rate
     heads: list[dict[str, Any]] = field(default_factory=list)
     head_series: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (seed, series) there
@@ -88,7 +87,7 @@ class Group:
     unigram_entropy: float = math.nan
     order: int = 0  # the variant's place in its study file
     reference: str | None = None  # the variant it is paired with
-    paired: dict[str, dict[str, Any]] = field(default_factory=dict)  # metric -> paired difference to it
+    paired: dict[str, Difference] = field(default_factory=dict)  # metric -> paired difference to it
     stable: dict[str, Any] = field(default_factory=dict)  # the highest holding rate by each rule (stability)
     multi: bool = False  # one of several studies in a report: named with its study
     # key -> rate multiple -> seed -> final[key] of every finished cell, read from the result files when
@@ -229,7 +228,7 @@ DELTA = 0.1  # nats: the delta rule's default (a study's registered plan may set
 
 
 def _mean_select(s: RateOutcome) -> float:
-    m = s.select.get("mean", float("nan")) if s.diverged == 0 and s.n > s.failed else float("nan")
+    m = s.select.mean if s.diverged == 0 and s.n > s.failed else float("nan")
     return m if m is not None else float("nan")
 
 

@@ -19,10 +19,44 @@ from typing import Any
 import numpy as np
 
 from qklab.study.analyze import Group, best_by_place, highest_within, place
-from qklab.study.stats import difference_stats, fmt_ci, paired_difference
+from qklab.study.stats import Difference, difference_stats, fmt_ci, paired_difference
 
 NOT_MEASURABLE = "not measurable"
 HOLDS, FAILS = "holds", "fails"  # a positive control's verdicts
+
+
+@dataclass(frozen=True)
+class ClaimStats:
+    """The statistics of a paired claim a - b < margin: the interval of a - b (t and bootstrap), its n and
+    df, and the tests of mean = margin (t, exact sign-flip) with the effect size (mean - margin) / sd.
+    ``log_ratio``: a - b is of log10 values, read as the ratio a / b."""
+
+    n: int
+    df: int
+    mean: float
+    ci_lo: float
+    ci_hi: float
+    boot_lo: float
+    boot_hi: float
+    a: str | None
+    b: str | None
+    margin: float
+    effect: float
+    p: float
+    p_flip: float
+    log_ratio: bool = False
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """A paired difference a - b over seeds, with the names of a and b, a note on how they were paired and
+    the study it was read in."""
+
+    d: Difference
+    a: str
+    b: str
+    note: str = ""
+    study: str | None = None
 
 
 @dataclass(frozen=True)
@@ -33,7 +67,7 @@ class Measured:
     verdict: str
     measured: str
     reason: str
-    stats: dict[str, Any] | None = None
+    stats: ClaimStats | None = None
     cells: tuple[str, ...] = ()
 
 
@@ -54,7 +88,7 @@ def _find(groups: list[Group], attention: str, method: str = "none", controller:
     """Groups of one kind (several when, e.g., two taus were run): the best by selection loss first."""
     gs = [g for g in groups if g.attention == attention and g.method == method
           and g.controller == controller and g.chosen is not None]
-    return sorted(gs, key=lambda g: g.sweep[g.chosen].select["mean"])
+    return sorted(gs, key=lambda g: g.sweep[g.chosen].select.mean)
 
 
 def _option(g: Group, key: str):
@@ -87,7 +121,7 @@ def _places(groups: list[Group], a: tuple, b: tuple) -> tuple[list[tuple[Group, 
     return pairs, ""
 
 
-def _pair(groups, a: tuple, b: tuple, metric: str, match: str | None = None) -> tuple[dict | None, str]:
+def _pair(groups, a: tuple, b: tuple, metric: str, match: str | None = None) -> tuple[Pairing | None, str]:
     """Paired difference a - b of ``metric`` (same study and grid point), or None and why not. With
     ``match``, the best pair whose controllers share that option's value (QuacK against the multiplier
     at the same tau) comes first; without such a pair, the best of each, said in the measurement."""
@@ -102,43 +136,42 @@ def _pair(groups, a: tuple, b: tuple, metric: str, match: str | None = None) -> 
         else:
             note = f" (no pair at the same {match}: each at its best)"
     x, y = pairs[0]
-    d = paired_difference(x.at_chosen[metric], y.at_chosen[metric])
-    d["a"], d["b"], d["note"], d["study"] = x.variant, y.variant, note, x.study
-    return d, ""
+    return Pairing(paired_difference(x.at_chosen[metric], y.at_chosen[metric]), x.variant, y.variant, note,
+                   x.study), ""
 
 
-def _test(d: dict, margin: float) -> dict:
+def claim_stats(d: Difference, a: str | None, b: str | None, margin: float, log_ratio: bool = False) -> ClaimStats:
     """The statistics of a paired claim a < b + margin: the interval of a - b, the tests of mean = margin."""
-    shifted = difference_stats([x - margin for x in d["diffs"]])
-    return {k: d[k] for k in ("n", "df", "mean", "ci_lo", "ci_hi", "boot_lo", "boot_hi")} | {
-        "a": d.get("a"), "b": d.get("b"), "margin": margin, "effect": shifted["effect"], "p": shifted["p"],
-        "p_flip": shifted["p_flip"]}
+    shifted = difference_stats([x - margin for x in d.diffs])
+    return ClaimStats(d.n, d.df, d.mean, d.ci_lo, d.ci_hi, d.boot_lo, d.boot_hi, a, b, margin, shifted.effect,
+                      shifted.p, shifted.p_flip, log_ratio)
 
 
-def _verdict_less(d: dict | None, why: str, what: str, margin: float = 0.0, cells: list[str] | None = None,
+def _verdict_less(pr: Pairing | None, why: str, what: str, margin: float = 0.0, cells: list[str] | None = None,
                   ratio: bool = False) -> Measured:
-    """Claim: a < b + margin (d = a - b), by the interval rule. ``ratio``: d is of log10 of a ratio, said of
-    the ratio (the statistics marked ``log_ratio``)."""
-    if d is None:
+    """Claim: a < b + margin (pr.d = a - b), by the interval rule. ``ratio``: d is of log10 of a ratio, said
+    of the ratio (the statistics marked ``log_ratio``)."""
+    if pr is None:
         return not_measurable(why, cells or ())
-    if d["n"] == 0:
+    d = pr.d
+    if d.n == 0:
         return not_measurable(f"no seed has a finite {what} for both", cells or ())
-    meas = f"{d['a']} - {d['b']}: {d['mean']:+.3f}, 95% CI {fmt_ci(d['ci_lo'], d['ci_hi'])}, n={d['n']}" + (
-        f", p={d['p']:.3g}" if math.isfinite(d["p"]) else "") + d.get("note", "")
-    st = _test(d, margin) | ({"log_ratio": True} if ratio else {})
+    meas = f"{pr.a} - {pr.b}: {d.mean:+.3f}, 95% CI {fmt_ci(d.ci_lo, d.ci_hi)}, n={d.n}" + (
+        f", p={d.p:.3g}" if math.isfinite(d.p) else "") + pr.note
     verdict, reason = interval_rule(d, margin)
-    return Measured(verdict, meas, as_ratio(reason) if ratio else reason, st, tuple(cells or ()))
+    return Measured(verdict, meas, as_ratio(reason) if ratio else reason, claim_stats(d, pr.a, pr.b, margin, ratio),
+                    tuple(cells or ()))
 
 
-def interval_rule(d: dict, margin: float = 0.0, below: str = "below", above: str = "above") -> tuple[str, str]:
+def interval_rule(d: Difference, margin: float = 0.0, below: str = "below", above: str = "above") -> tuple[str, str]:
     """(verdict, reason) of a claim a - b < margin by its 95% t-interval (the rule before Holm). ``below``
     and ``above``: how the reason names the sides (a claim read in the negated form names them the other
     way round)."""
-    if d["n"] < 2:
+    if d.n < 2:
         return "inconclusive", "one seed: no interval"
-    if d["ci_hi"] < margin:
+    if d.ci_hi < margin:
         return "agree", f"the whole interval is {below} {margin:g}"
-    if d["ci_lo"] > margin:
+    if d.ci_lo > margin:
         return "disagree", f"the whole interval is {above} {margin:g}"
     return "inconclusive", "the interval contains " + (f"{margin:+g}" if margin else "0")
 
@@ -152,13 +185,13 @@ def less(a, b, metric, what):
     return test
 
 
-def _used(groups: list[Group], d: dict | None, chosen: bool) -> list[str]:
+def _used(groups: list[Group], d: Pairing | None, chosen: bool) -> list[str]:
     """The result files of the two variants a paired difference read (at their chosen rates, or all)."""
     if d is None:
         return []
     out = []
     for g in groups:
-        if g.variant in (d.get("a"), d.get("b")) and (not d.get("study") or g.study == d["study"]):
+        if g.variant in (d.a, d.b) and (not d.study or g.study == d.study):
             rates = [g.chosen] if chosen and g.chosen is not None else list(g.cells)
             out += [c["path"] for m in rates for c in g.cells.get(m, []) if c.get("path")]
     return out
@@ -243,12 +276,12 @@ def logits_at_same_rate(a: tuple, b: tuple) -> Callable:
         if p.get("rate") == "tuned":
             lx, ly = ({s: math.log10(v) for s, v in g.at_chosen["max_logit"].items() if math.isfinite(v) and v > 0}
                       for g in (x, y))
-            d = {**paired_difference(lx, ly), "a": x.variant, "b": y.variant}
-            m = _verdict_less(d, "", "max logit", cells=_used(groups, {**d, "study": x.study}, chosen=True),
-                              ratio=True)
+            pr = Pairing(paired_difference(lx, ly), x.variant, y.variant, study=x.study)
+            m = _verdict_less(pr, "", "max logit", cells=_used(groups, pr, chosen=True), ratio=True)
+            d = pr.d
             meas = (f"{x.variant} / {y.variant} at their tuned rates (x{x.chosen:g}, x{y.chosen:g}): "
-                    f"{10 ** d['mean']:.3g}" + (f", 95% CI [{10 ** d['ci_lo']:.3g}, {10 ** d['ci_hi']:.3g}]"
-                                                 if d["n"] >= 2 else "") + f", n={d['n']}") if d["n"] else "-"
+                    f"{10 ** d.mean:.3g}" + (f", 95% CI [{10 ** d.ci_lo:.3g}, {10 ** d.ci_hi:.3g}]"
+                                              if d.n >= 2 else "") + f", n={d.n}") if d.n else "-"
             return replace(m, measured=meas)
 
         def logs(g, m):
@@ -257,16 +290,17 @@ def logits_at_same_rate(a: tuple, b: tuple) -> Callable:
 
         shared = [m for m in sorted(x.sweep.keys() & y.sweep.keys())
                   if x.sweep[m].diverged == 0 and y.sweep[m].diverged == 0
-                  and paired_difference(logs(x, m), logs(y, m))["n"] > 0]
+                  and paired_difference(logs(x, m), logs(y, m)).n > 0]
         if not shared:
             return not_measurable("no rate at which both ran with no diverged seed and a finite max logit")
         by_rate = {m: paired_difference(logs(x, m), logs(y, m)) for m in shared}
         top = shared[-1]
-        d = {**by_rate[top], "a": x.variant, "b": y.variant}
-        meas = (f"{x.variant} / {y.variant} at x{top:g}: {10 ** d['mean']:.3g}"
-                + (f", 95% CI [{10 ** d['ci_lo']:.3g}, {10 ** d['ci_hi']:.3g}]" if d["n"] >= 2 else "")
-                + f", n={d['n']}; by rate: " + ", ".join(f"x{m:g} {10 ** by_rate[m]['mean']:.2g}" for m in shared))
-        return replace(_verdict_less(d, "", "max logit", cells=list(_all_cells(x, y)), ratio=True), measured=meas)
+        d = by_rate[top]
+        meas = (f"{x.variant} / {y.variant} at x{top:g}: {10 ** d.mean:.3g}"
+                + (f", 95% CI [{10 ** d.ci_lo:.3g}, {10 ** d.ci_hi:.3g}]" if d.n >= 2 else "")
+                + f", n={d.n}; by rate: " + ", ".join(f"x{m:g} {10 ** by_rate[m].mean:.2g}" for m in shared))
+        return replace(_verdict_less(Pairing(d, x.variant, y.variant), "", "max logit",
+                                     cells=list(_all_cells(x, y)), ratio=True), measured=meas)
     return test
 
 
@@ -297,10 +331,9 @@ def probe_claim(key: str, a: tuple, b: tuple, higher: bool) -> Callable:
             return not_measurable("no attention probes in these results (set [protocol] probe = 1 or more)"
                                   if not probed else f"the probes have no '{key}'"
                                   + (f" at {context} tokens" if context else ""))
-        d = paired_difference(sb, sa) if higher else paired_difference(sa, sb)
-        d["a"], d["b"] = (y.variant, x.variant) if higher else (x.variant, y.variant)
-        d["study"] = x.study
-        return _verdict_less(d, "", key, p.get("margin", 0.0), _used(groups, d, chosen=True))
+        pr = (Pairing(paired_difference(sb, sa), y.variant, x.variant, study=x.study) if higher
+              else Pairing(paired_difference(sa, sb), x.variant, y.variant, study=x.study))
+        return _verdict_less(pr, "", key, p.get("margin", 0.0), _used(groups, pr, chosen=True))
     return test
 
 
@@ -320,9 +353,9 @@ def width_gap(a: tuple, b: tuple) -> Callable:
                                   "(studies/logit_control_width.toml)")
         by_w = gaps[study]
         lo, hi = min(by_w), max(by_w)
-        d = paired_difference(by_w[lo], by_w[hi])  # gap at the narrowest - gap at the widest: < 0 if it grows
-        d["a"], d["b"] = f"gap at width {lo}", f"gap at width {hi}"
-        m = _verdict_less(d, "", "report loss")
+        # gap at the narrowest - gap at the widest: < 0 if it grows
+        pr = Pairing(paired_difference(by_w[lo], by_w[hi]), f"gap at width {lo}", f"gap at width {hi}")
+        m = _verdict_less(pr, "", "report loss")
         means = ", ".join(f"{w}: {np.mean(list(g.values())):+.3f}" if g else f"{w}: -" for w, g in sorted(by_w.items()))
         used = [c["path"] for g in groups if g.study == study and g in (*_find(groups, *a), *_find(groups, *b))
                 for c in g.cells.get(g.chosen, []) if c.get("path")]
@@ -346,7 +379,7 @@ def accuracy_control(method: tuple[str, str, str]) -> Any:
     def test(groups: list[Group], p: dict) -> Measured:
         att, meth, ctrl = method
         gs = sorted((g for g in groups if (g.attention, g.method, g.controller) == method
-                     and g.chosen is not None), key=lambda g: g.sweep[g.chosen].select["mean"])
+                     and g.chosen is not None), key=lambda g: g.sweep[g.chosen].select.mean)
         if not gs:
             return not_measurable(f"no finished cells of {att.upper()} {meth} in these results")
         g = gs[0]
@@ -359,7 +392,7 @@ def accuracy_control(method: tuple[str, str, str]) -> Any:
         vals = np.array(list(accs.values()))
         st = difference_stats(list(vals))
         meas = (f"{g.variant} at x{g.chosen:g}: mean accuracy {vals.mean():.3f}"
-                + (f", 95% CI {fmt_ci(st['ci_lo'], st['ci_hi'])}" if len(vals) > 1 else "")
+                + (f", 95% CI {fmt_ci(st.ci_lo, st.ci_hi)}" if len(vals) > 1 else "")
                 + f", seeds from {vals.min():.3f} to {vals.max():.3f}, n={len(vals)}")
         if vals.mean() >= threshold:
             return Measured(HOLDS, meas, f"the mean accuracy at {where} is at least {threshold:g}", None, tuple(cells))

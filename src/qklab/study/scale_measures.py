@@ -9,7 +9,7 @@ from collections.abc import Callable
 import numpy as np
 
 from qklab.study.analyze import Group
-from qklab.study.measures import Measured, interval_rule, not_measurable
+from qklab.study.measures import ClaimStats, Measured, interval_rule, not_measurable
 from qklab.study.sensitivity import group_sensitivity, group_size, slope, width_ladders
 from qklab.study.stats import difference_stats, fmt_ci
 
@@ -43,15 +43,14 @@ def _verdict(values: dict[int, float], sign: int, what: str, cells: tuple[str, .
     """Claim sign * mean(values) > 0 over seeds, by the interval rule; the statistics those of the
     claimed-below-zero form (values * -sign), as every paired measure keeps them."""
     d = difference_stats([-sign * v for v in values.values()])
-    if d["n"] == 0:
+    if d.n == 0:
         return not_measurable(f"no seed has {what} at every width and rate", cells)
     shown = difference_stats(list(values.values()))
-    meas = (f"{what}: {shown['mean']:+.3g}, 95% CI {fmt_ci(shown['ci_lo'], shown['ci_hi'], 3)}, n={shown['n']}"
-            + (f", p (t) {shown['p']:.3g}" if math.isfinite(shown["p"]) else "")
+    meas = (f"{what}: {shown.mean:+.3g}, 95% CI {fmt_ci(shown.ci_lo, shown.ci_hi, 3)}, n={shown.n}"
+            + (f", p (t) {shown.p:.3g}" if math.isfinite(shown.p) else "")
             + "; by seed " + ", ".join(f"{s}: {v:+.3g}" for s, v in sorted(values.items())))
-    st = {k: d[k] for k in ("n", "df", "mean", "ci_lo", "ci_hi", "boot_lo", "boot_hi", "effect", "p", "p_flip")}
-    st |= {"a": "0", "b": what} if sign > 0 else {"a": what, "b": "0"}  # st is of a - b, claimed below zero
-    st["margin"] = margin
+    a, b = ("0", what) if sign > 0 else (what, "0")  # the statistics are of a - b, claimed below zero
+    st = ClaimStats(d.n, d.df, d.mean, d.ci_lo, d.ci_hi, d.boot_lo, d.boot_hi, a, b, margin, d.effect, d.p, d.p_flip)
     verdict, reason = interval_rule(d, margin, *(("above", "below") if sign > 0 else ("below", "above")))
     return Measured(verdict, meas, reason, st, cells)
 

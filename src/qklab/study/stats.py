@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 from scipy import stats as sps
@@ -27,23 +28,53 @@ MAX_EXACT = 16  # sign-flip enumeration up to 2^16 assignments; above, N_FLIP se
 N_FLIP = 1 << 16
 
 
+NAN = float("nan")
+
+
+@dataclass(frozen=True)
+class Summary:
+    """n, mean, sample std (ddof 1) and the t-interval (ci_lo, ci_hi) of the mean over seeds."""
+
+    n: int = 0
+    mean: float = NAN
+    std: float = NAN
+    ci_lo: float = NAN
+    ci_hi: float = NAN
+
+
+@dataclass(frozen=True)
+class Difference(Summary):
+    """The statistics of paired differences against mean 0: ``Summary``'s, the t statistic and its two-sided
+    p-value, the degrees of freedom, the exact sign-flip p-value, the effect size mean / std, the percentile
+    bootstrap interval, the differences, and the seeds they pair (``paired_difference``)."""
+
+    t: float = NAN
+    p: float = NAN
+    df: int = 0
+    p_flip: float = NAN
+    effect: float = NAN
+    boot_lo: float = NAN
+    boot_hi: float = NAN
+    diffs: tuple[float, ...] = ()
+    seeds: tuple[int, ...] = ()
+
+
 def _clean(xs: Sequence[float]) -> np.ndarray:
     return np.asarray([float(x) for x in xs if x is not None and math.isfinite(float(x))], dtype=np.float64)
 
 
-def describe(xs: Sequence[float], confidence: float = CONFIDENCE) -> dict[str, float]:
+def describe(xs: Sequence[float], confidence: float = CONFIDENCE) -> Summary:
     """n, mean, sample std (ddof 1) and the t-interval of the mean of the finite values of xs."""
     x = _clean(xs)
     n = int(x.size)
-    nan = float("nan")
     if n == 0:
-        return {"n": 0, "mean": nan, "std": nan, "ci_lo": nan, "ci_hi": nan}
+        return Summary()
     mean = float(x.mean())
     if n < 2:
-        return {"n": 1, "mean": mean, "std": nan, "ci_lo": nan, "ci_hi": nan}
+        return Summary(1, mean)
     std = float(x.std(ddof=1))
     half = float(sps.t.ppf(0.5 + confidence / 2, n - 1)) * std / math.sqrt(n)
-    return {"n": n, "mean": mean, "std": std, "ci_lo": mean - half, "ci_hi": mean + half}
+    return Summary(n, mean, std, mean - half, mean + half)
 
 
 def bootstrap_ci(d: np.ndarray, confidence: float = CONFIDENCE, n_boot: int = N_BOOT,
@@ -121,44 +152,45 @@ def benjamini_hochberg(ps: Sequence[float]) -> list[float]:
     return out
 
 
-def difference_stats(d: Sequence[float], confidence: float = CONFIDENCE) -> dict[str, float]:
+def difference_stats(d: Sequence[float], confidence: float = CONFIDENCE) -> Difference:
     """The statistics of paired differences d (finite values only) against mean(d) = 0: n, mean, std, the
     t statistic, its two-sided p-value, the t-interval (ci_lo, ci_hi), the bootstrap interval (boot_lo,
     boot_hi), the degrees of freedom (df = n - 1), the exact sign-flip p-value (p_flip), the effect size
     mean / std (effect) and the differences (diffs). To test mean(d) = m, pass d - m."""
     x = _clean(d)  # (n,)
-    out = {**describe(x, confidence), "t": float("nan"), "p": float("nan"), "df": max(int(x.size) - 1, 0),
-           "p_flip": sign_flip_p(x), "effect": float("nan"), "diffs": x.tolist()}
+    s = describe(x, confidence)
+    t = p = effect = NAN
     if x.size >= 2:
-        se = out["std"] / math.sqrt(x.size)
+        se = s.std / math.sqrt(x.size)
         if se > 0:
-            out["t"] = out["mean"] / se
-            out["p"] = float(2 * sps.t.sf(abs(out["t"]), x.size - 1))
-            out["effect"] = out["mean"] / out["std"]
+            t = s.mean / se
+            p = float(2 * sps.t.sf(abs(t), x.size - 1))
+            effect = s.mean / s.std
         else:  # identical differences: no spread, the sign is certain only if they are non-zero
-            out["t"] = math.copysign(math.inf, out["mean"]) if out["mean"] != 0 else 0.0
-            out["p"] = 0.0 if out["mean"] != 0 else 1.0
-            out["effect"] = out["t"]
-    out["boot_lo"], out["boot_hi"] = bootstrap_ci(x, confidence)
-    return out
+            t = math.copysign(math.inf, s.mean) if s.mean != 0 else 0.0
+            p = 0.0 if s.mean != 0 else 1.0
+            effect = t
+    boot_lo, boot_hi = bootstrap_ci(x, confidence)
+    return Difference(s.n, s.mean, s.std, s.ci_lo, s.ci_hi, t=t, p=p, df=max(int(x.size) - 1, 0),
+                      p_flip=sign_flip_p(x), effect=effect, boot_lo=boot_lo, boot_hi=boot_hi, diffs=tuple(x.tolist()))
 
 
-def paired_difference(a: dict[int, float], b: dict[int, float], confidence: float = CONFIDENCE) -> dict[str, float]:
+def paired_difference(a: dict[int, float], b: dict[int, float], confidence: float = CONFIDENCE) -> Difference:
     """a - b over the seeds both have (finite values only). a, b: seed -> value.
 
     Returns the seeds and ``difference_stats`` of the differences: n, mean, std, t, its two-sided p-value,
     the t-interval (ci_lo, ci_hi), the bootstrap interval (boot_lo, boot_hi), df, p_flip, effect, diffs."""
     seeds = sorted(s for s in a.keys() & b.keys() if math.isfinite(a[s]) and math.isfinite(b[s]))
-    return {**difference_stats([a[s] - b[s] for s in seeds], confidence), "seeds": seeds}
+    return replace(difference_stats([a[s] - b[s] for s in seeds], confidence), seeds=tuple(seeds))
 
 
-def fmt_mean_std(d: dict[str, float], digits: int = 3) -> str:
+def fmt_mean_std(d: Summary, digits: int = 3) -> str:
     """'4.913 ± 0.065' (or '4.913' for one value, '-' for none)."""
-    if d["n"] == 0:
+    if d.n == 0:
         return "-"
-    if not math.isfinite(d["std"]):
-        return f"{d['mean']:.{digits}f}"
-    return f"{d['mean']:.{digits}f} ± {d['std']:.{digits}f}"
+    if not math.isfinite(d.std):
+        return f"{d.mean:.{digits}f}"
+    return f"{d.mean:.{digits}f} ± {d.std:.{digits}f}"
 
 
 def fmt_ci(lo: float, hi: float, digits: int = 3) -> str:
