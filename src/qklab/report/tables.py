@@ -59,10 +59,22 @@ def cell_paths(g: Group | None, mult: float | None = None) -> list[str]:
     return [c["path"] for m in ms for c in sorted(cells[m], key=lambda c: c["seed"])]
 
 
+# the results table's columns, each with the cells its numbers come from (results_links): those at the
+# chosen rate, those and the reference's (a paired difference), every cell of the variant, or none
+RESULT_COLUMNS = (("variant", None), ("attn", None), ("method", None), ("controller", None),
+                  ("lr (chosen)", "chosen"), ("n", "chosen"), ("selection loss", "chosen"), ("report loss", "chosen"),
+                  ("95% CI", "chosen"), ("vs reference (paired)", "paired"), ("95% CI", "paired"),
+                  ("bootstrap 95%", "paired"), ("p", "paired"), ("max logit", "chosen"), ("first token", "chosen"),
+                  ("diverged", "every"), ("not learned", "every"), ("failed", "every"))
+
+
+def _links(columns: tuple[tuple[str, str | None], ...], targets: dict[str, str | None]) -> dict[int, str | None]:
+    """One row's links: each column whose numbers come from a source -> that source's link target."""
+    return {i: targets[src] for i, (_, src) in enumerate(columns) if src is not None}
+
+
 def results_table(groups: list[Group]) -> Table:
-    head = ["variant", "attn", "method", "controller", "lr (chosen)", "n", "selection loss", "report loss",
-            "95% CI", "vs reference (paired)", "95% CI", "bootstrap 95%", "p", "max logit", "first token",
-            "diverged", "not learned", "failed"]
+    head = [name for name, _ in RESULT_COLUMNS]
     rows = []
     for g in groups:
         st, sw = g.stats, g.sweep
@@ -127,8 +139,7 @@ def results_links(groups: list[Group], cells: Cells) -> Links:
             both = cell_paths(g, ch) + (cell_paths(ref, ref.chosen) if paired_ok else [])
             paired = cells.link(both, f"{name} and its reference {g.reference}, each at its chosen rate")
         every = cells.link(cell_paths(g), f"{name} at every rate")
-        out.append({**dict.fromkeys((4, 5, 6, 7, 8, 13, 14), at), **dict.fromkeys((9, 10, 11, 12), paired),
-                    15: every, 16: every, 17: every})
+        out.append(_links(RESULT_COLUMNS, {"chosen": at, "paired": paired, "every": every}))
     return out
 
 
@@ -268,14 +279,19 @@ def _reason(r: ClaimRow) -> str:
     return f"{r.reason} (amended plan); under the registered plan: {r.verdict_registered or '-'}{why}"
 
 
+# the claims table's columns: what it measured and its statistics come from the claim's cells
+CLAIM_COLUMNS = (("paper", None), ("claim", None), ("measurement", None), ("measured here", "claim"), ("verdict", None),
+                 ("reason", None), ("verdict (old rule)", None), *((name, "claim") for name in (
+                     "n", "df", "mean difference", "95% t-interval", "bootstrap 95%", "effect (mean/sd)", "p (t)",
+                     "p (sign-flip)", "p Holm (sign-flip)", "q BH (sign-flip)")))
+
+
 def claims_rows(groups: list[Group], rows: list[ClaimRow] | None = None, studies: dict | None = None) -> Table:
     """The claims table: the verdict by claims.VERDICT_RULE, the old rule's, and each paired claim's
     statistics (its family is its paper). ``rows``: claims_table(groups, studies), if already made; the
     report passes the studies (their registered plans), as write_report does."""
     rows = claims_table(groups, studies) if rows is None else rows
-    head = ["paper", "claim", "measurement", "measured here", "verdict", "reason", "verdict (old rule)", "n", "df",
-            "mean difference", "95% t-interval", "bootstrap 95%", "effect (mean/sd)", "p (t)", "p (sign-flip)",
-            "p Holm (sign-flip)", "q BH (sign-flip)"]
+    head = [name for name, _ in CLAIM_COLUMNS]
     body = []
     for r in rows:
         st = r.stats
@@ -304,8 +320,7 @@ def collapsed_claims(rows: list[ClaimRow]) -> list[str]:
 
 def claims_links(rows: list[ClaimRow], cells: Cells) -> Links:
     """Every number of a claim's row (what it measured, its statistics) from the claim's cells."""
-    return [dict.fromkeys((3, *range(7, 17)), cells.link(r.cells or [], f"{r.paper}: {r.claim}"))
-            for r in rows]
+    return [_links(CLAIM_COLUMNS, {"claim": cells.link(r.cells or [], f"{r.paper}: {r.claim}")}) for r in rows]
 
 
 def md_table(t: Table, links: Links | None = None) -> str:
