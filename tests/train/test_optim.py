@@ -8,23 +8,24 @@ import pytest
 import torch
 
 from qklab.config import TrainConfig
-from qklab.train.optim import build_optimizer, lr_mult, set_lr
+from qklab.train.optim import build_optimizer, schedule_factor, set_lr
 from tests.conftest import tiny_gpt
 
 
 def test_warmup_then_cosine_to_min():
     cfg = TrainConfig(steps=110, warmup_steps=10, min_lr_ratio=0.1, schedule="cosine")
-    assert [lr_mult(s, cfg) for s in range(3)] == pytest.approx([0.1, 0.2, 0.3])
-    assert lr_mult(9, cfg) == pytest.approx(1.0)
-    assert lr_mult(10, cfg) == pytest.approx(1.0)
+    assert [schedule_factor(s, cfg) for s in range(3)] == pytest.approx([0.1, 0.2, 0.3])
+    assert schedule_factor(9, cfg) == pytest.approx(1.0)
+    assert schedule_factor(10, cfg) == pytest.approx(1.0)
     mid = 10 + 99 / 2
-    assert lr_mult(int(mid), cfg) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (int(mid) - 10) / 99)))
-    assert lr_mult(109, cfg) == pytest.approx(0.1)
+    want = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (int(mid) - 10) / 99))
+    assert schedule_factor(int(mid), cfg) == pytest.approx(want)
+    assert schedule_factor(109, cfg) == pytest.approx(0.1)
 
 
 def test_warmup_then_constant():
     cfg = TrainConfig(steps=50, warmup_steps=4, schedule="constant")
-    assert [lr_mult(s, cfg) for s in (0, 3, 4, 49)] == pytest.approx([0.25, 1.0, 1.0, 1.0])
+    assert [schedule_factor(s, cfg) for s in (0, 3, 4, 49)] == pytest.approx([0.25, 1.0, 1.0, 1.0])
 
 
 def test_adamw_groups_cover_every_parameter_once():

@@ -1,7 +1,7 @@
 """Optimizers and learning-rate schedules.
 
 Every parameter group carries ``base_lr`` (its peak rate) and ``name``; the schedule sets
-``lr = base_lr * lr_mult(step)`` before each step, and an optimizer-side QK controller may then adjust
+``lr = base_lr * schedule_factor(step)`` before each step, and an optimizer-side QK controller may then adjust
 individual groups.
 """
 
@@ -117,7 +117,7 @@ def _group(name: str, named: list[tuple[str, nn.Parameter]], lr: float, wd: floa
             "lr": lr, "base_lr": lr, "weight_decay": wd}
 
 
-def lr_mult(step: int, cfg: TrainConfig) -> float:
+def schedule_factor(step: int, cfg: TrainConfig) -> float:
     """Multiplier of the peak lr at optimizer step ``step`` (0-based): linear warmup, then cosine decay
     to ``min_lr_ratio`` at the last step, or constant."""
     if step < cfg.warmup_steps:

@@ -31,7 +31,7 @@ from qklab.rundir.folder import TOKENIZER, FollowerFolder, RunFolder
 from qklab.rundir.metrics import MetricsLog, NoMetrics
 from qklab.train.checkpointer import Checkpointer
 from qklab.train.evaluate import eval_loss, max_attention_logits
-from qklab.train.optim import build_optimizer, lr_mult, set_lr
+from qklab.train.optim import build_optimizer, schedule_factor, set_lr
 from qklab.train.progress import Progress
 from qklab.train.resume import restore_run_state, resume_point, run_state, seed_everything
 from qklab.train.signals import RunInterrupted, StopSignals
@@ -229,7 +229,7 @@ class Trainer:
         which ``flush`` does once for all the steps since the last one, at the logging cadence. Only
         train.nonfinite=skip reads them here, as it must decide before applying the step."""
         t = self.cfg.train
-        set_lr(self.optimizers, lr_mult(self.step, t))
+        set_lr(self.optimizers, schedule_factor(self.step, t))
         total = torch.zeros((), dtype=torch.float64, device=self.device)  # summed on the device: no host sync
         for i in range(t.grad_accum):
             x, y = self.loader.next_batch()
