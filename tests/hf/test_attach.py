@@ -39,7 +39,7 @@ def test_finds_llama_style_layers(family):
     assert len(layers) == 2
     a = model.model.layers[1].self_attn
     L = layers[1]
-    assert (L.n_heads, L.n_kv_heads) == (H, HKV) and L.module is a
+    assert (L.n_heads, L.n_kv_heads) == (H, HKV) and L.module is a and L.kind == "mha"
     assert L.wq.weight.shape == (H, 16, 64) and L.wk.weight.shape == (HKV, 16, 64)
     assert torch.equal(L.wq.weight[2], a.q_proj.weight[32:48])
     assert _aliases(L.wq.weight, a.q_proj.weight) and _aliases(L.wk.weight, a.k_proj.weight)
@@ -66,7 +66,7 @@ def test_finds_deepseek_mla_layers(q_lora):
     assert torch.equal(L.wuk.weight, kvb[:, :16])
     assert torch.equal(L.wdkv.weight, a.kv_a_proj_with_mqa.weight[:24])
     assert torch.equal(L.wkr.weight, a.kv_a_proj_with_mqa.weight[24:])
-    assert (L.wdq is None) == (q_lora is None)
+    assert (L.wdq is None) == (q_lora is None) and L.kind == "mla"
     assert _aliases(L.wqr.weight, qb) and _aliases(L.wuk.weight, a.kv_b_proj.weight)
 
 

@@ -18,7 +18,7 @@ def _qk_weights(model: GPT) -> list[torch.Tensor]:
     out = []
     for b in model.blocks:
         a = b.attn
-        ws = (a.wuq, a.wqr, a.wuk, a.wkr) if hasattr(a, "wuk") else (a.wq, a.wk)
+        ws = (a.wuq, a.wqr, a.wuk, a.wkr) if a.kind == "mla" else (a.wq, a.wk)
         out += [w.weight for w in ws if w is not None]
     return out
 

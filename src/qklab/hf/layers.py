@@ -24,6 +24,7 @@ from qklab.errors import ConfigError
 from qklab.hf.attention import LayerTracker
 from qklab.methods import AttnShape, QKMethod
 from qklab.methods.base import NoOptions
+from qklab.methods.headwise import AttnKind
 from qklab.methods.qknorm import QKNorm, QKNormOptions
 from qklab.methods.standard import Standard
 from qklab.model.attention import head_max_logit
@@ -45,6 +46,7 @@ class QKLayer(LayerTracker):
         self.refusal = ""  # why this layer's max logits cannot be measured ("" where they can)
         self.fed = False  # True: the module (a qklab.QK) feeds the tracker through its qk_layer attribute
         self.biases: dict[str, torch.Tensor] = {}  # "wq"/"wk" -> (n_heads, rows) view of that projection's bias
+        self.kind: AttnKind = "mla" if "wuk" in weights else "mha"  # MLA's weight names, or MHA/GQA's
         for k, w in weights.items():  # wq -> an object with .weight, as qklab's nn.Linear layers
             setattr(self, k, None if w is None else SimpleNamespace(weight=w))
 

@@ -18,11 +18,14 @@ applied row by row, so a head split between two ranks is treated as one head.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
 from qklab.methods.shards import is_sharded, local_rows
+
+AttnKind = Literal["mha", "mla"]  # an attention layer's ``kind``, named as ``model.attention`` names it
 
 
 @dataclass
@@ -81,7 +84,9 @@ class HeadMatrix:
 
 
 def is_mla(attn: nn.Module) -> bool:
-    return hasattr(attn, "wuk")
+    """MLA (latent q/k/v: ``wuq``, ``wuk``, ``wqr`` ...) rather than MHA/GQA (``wq``, ``wk``), as the layer's
+    ``kind`` says: qklab's ``Attention`` and ``MLAttention`` and ``qklab.hf``'s ``QKLayer`` all carry one."""
+    return attn.kind == "mla"
 
 
 def logit_matrices(attn: nn.Module) -> dict[str, HeadMatrix]:

@@ -10,12 +10,14 @@ Two paths compute the same thing:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from qklab.methods import METHODS, AttnShape, QKMethod
+from qklab.methods.headwise import AttnKind
 from qklab.model.flex import flex_causal_with_max, flex_usable
 from qklab.model.rope import Rope
 
@@ -207,6 +209,10 @@ def eager_attention(qk: QKMethod, q, k, v, scale: float, sink=None, tracker: Max
 
 
 class Attention(nn.Module, MaxLogitTracker):
+    """MHA, or GQA with fewer KV heads than query heads (``model.n_kv_heads``)."""
+
+    kind: ClassVar[AttnKind] = "mha"  # what controllers and the optimizer test (``methods.headwise.is_mla``)
+
     def __init__(self, cfg, qk_cfg, layer_idx: int) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim

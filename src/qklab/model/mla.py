@@ -40,12 +40,14 @@ and the softmax scale gets DeepSeek's correction ``Yarn.softmax_mscale()``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from qklab.methods import METHODS, AttnShape, QKMethod
 from qklab.methods.base import positions_of
+from qklab.methods.headwise import AttnKind
 from qklab.model.attention import (
     KVCache,
     MaxLogitTracker,
@@ -116,6 +118,10 @@ class LatentCache:
 
 
 class MLAttention(nn.Module, MaxLogitTracker):
+    """Multi-head latent attention (module docstring)."""
+
+    kind: ClassVar[AttnKind] = "mla"  # what controllers and the optimizer test (``methods.headwise.is_mla``)
+
     def __init__(self, cfg, qk_cfg, layer_idx: int) -> None:
         super().__init__()
         d = cfg.mla_dims
