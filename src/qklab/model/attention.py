@@ -1,16 +1,19 @@
-"""Causal self-attention (MHA and GQA) with a pluggable QK method.
+"""Causal self-attention (MHA and GQA) with a pluggable QK method, and the kernel choice MLA shares.
 
-Two paths compute the same thing:
-* fast: ``F.scaled_dot_product_attention`` (never used when the method rewrites logits), or on CUDA
-  while QK-clip tracks the max logit, FlexAttention, which returns it (``qklab.model.flex``);
-* eager: explicit logits -> method.logits -> mask -> softmax, which also lets diagnostics read the
-  pre-softmax logits (set ``attn.capture = {}`` and read ``capture["logits"]``, ``capture["probs"]``).
+``attend`` runs one of three kernels on materialised q, k, v (``choose_kernel`` says which):
+* sdpa: ``F.scaled_dot_product_attention``, for a method that leaves the logits as they are;
+* flex: on CUDA while QK-clip tracks the max logit, FlexAttention, which also returns it
+  (``qklab.model.flex``);
+* eager: explicit logits -> method.logits -> mask -> softmax, for a method that rewrites logits, for
+  ``model.attn_impl=eager``, and for diagnostics, which read the pre-softmax logits (set
+  ``attn.capture = {}`` and read ``capture["logits"]``, ``capture["probs"]``).
+``Attention`` (MHA/GQA), ``MLAttention``'s materialised path and ``qklab.QK.attend`` all call it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -158,54 +161,88 @@ class MaxLogitTracker:
         return out
 
 
+Kernel = Literal["sdpa", "flex", "eager"]
+
+
+def choose_kernel(qk: QKMethod, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, eager: bool = False,
+                  sink: torch.Tensor | None = None, tracking: bool = False, capture: bool = False,
+                  causal: bool = True, mask: torch.Tensor | None = None) -> Kernel:
+    """Which kernel ``attend`` runs for q (B, H, Tq, F), k (B, Hkv, Tk, F), v (B, Hkv, Tk, Dv).
+
+    eager: asked for (``model.attn_impl=eager``), or needed: a method that rewrites logits (SDPA would
+    drop the rewrite), a ``capture`` (diagnostics read the logits), or a mask other than the causal one.
+    flex: while a tracker wants the per-head max logit, where FlexAttention hands it back (CUDA, one
+    length for queries and keys, no sink, widths ``flex_usable`` takes). sdpa: everything else."""
+    if eager or qk.modifies_logits or capture or not causal or mask is not None:
+        return "eager"
+    if tracking and sink is None and flex_usable(q, k, v):
+        return "flex"
+    return "sdpa"
+
+
 def attend(qk: QKMethod, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, eager: bool = False,
            sink: torch.Tensor | None = None, tracker: MaxLogitTracker | None = None,
            capture: dict[str, torch.Tensor] | None = None, causal: bool = True,
-           mask: torch.Tensor | None = None) -> torch.Tensor:
+           mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Attention of q (B, H, Tq, F) over k (B, Hkv, Tk, F), v (B, Hkv, Tk, Dv) as method ``qk`` forms its
-    logits: scale ``qk.scale(F)``, ``qk.logits`` rewrite, causal mask (queries last-aligned with the keys;
-    ``causal=False``: every key; ``mask`` (B|1, 1|H, Tq, Tk) bool, True where a query sees a key: that mask,
-    e.g. documents packed in one row), softmax with the per-head ``sink`` logits (H,) if any; (B, H, Tq, Dv).
+    logits: ``scale`` (None: ``qk.scale(F)``; MLA passes it with YaRN's correction), ``qk.logits`` rewrite,
+    causal mask (queries last-aligned with the keys; ``causal=False``: every key; ``mask`` (B|1, 1|H, Tq, Tk)
+    bool, True where a query sees a key: that mask, e.g. documents packed in one row), softmax with the
+    per-head ``sink`` logits (H,) if any; (B, H, Tq, Dv).
 
-    Two paths compute the same thing: fused SDPA (never for a method that rewrites logits), or eager,
-    explicit logits (``eager``, a rewriting method, or a ``capture`` dict, which then receives the logits,
-    probabilities, mask, q and k). ``tracker``: while it tracks, it gets the per-head max logit of this
-    forward (eager: from its logits; CUDA: FlexAttention's; else a chunked QK^T pass).
-    qklab's own ``Attention`` and ``qklab.QK.attend`` both run this."""
-    scale = qk.scale(q.shape[-1])
+    The kernel is ``choose_kernel``'s; all three compute the same attention. ``capture``: a dict that
+    receives the logits, probabilities, mask, q and k (eager). ``tracker``: while it tracks, it gets the
+    per-head max logit of this forward (eager: from its logits; flex: the kernel's; sdpa: a chunked QK^T
+    pass, ``head_max_logit``)."""
+    scale = qk.scale(q.shape[-1]) if scale is None else scale
     tracking = tracker is not None and tracker.tracking
     gqa = k.shape[1] != q.shape[1]
-    if eager or qk.modifies_logits or capture is not None or not causal or mask is not None:
+    kernel = choose_kernel(qk, q, k, v, eager=eager, sink=sink, tracking=tracking, capture=capture is not None,
+                           causal=causal, mask=mask)
+    if kernel == "eager":
         return eager_attention(qk, q, k, v, scale, sink, tracker if tracking else None, capture, causal, mask)
-    if tracking and sink is None and flex_usable(q, k, v):  # CUDA: the max logit from the kernel
+    if kernel == "flex":  # CUDA: the max logit from the kernel
         y, m = flex_causal_with_max(q, k, v, scale, gqa=gqa)
         tracker._track(m)
         return y
-    if tracking:  # a second, chunked QK^T pass
-        tracker._track(head_max_logit(q, k, scale))  # logits not rewritten on this path
+    if tracking:  # a second, chunked QK^T pass (the logits are not rewritten on this path)
+        tracker._track(head_max_logit(q, k, scale))
     return sdpa_causal(q, k, v, scale, gqa=gqa, sink=sink)
 
 
 def eager_attention(qk: QKMethod, q, k, v, scale: float, sink=None, tracker: MaxLogitTracker | None = None,
                     capture: dict[str, torch.Tensor] | None = None, causal: bool = True,
                     mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The explicit path of ``attend``: logits -> qk.logits -> mask -> softmax (fp32) -> p @ v, (B, H, Tq, Dv)."""
+    """The explicit kernel of ``attend``: logits -> ``eager_probs`` -> p @ v, (B, H, Tq, Dv)."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H, L, *)
     s = (q @ k.transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
-    s = qk.logits(s)
     if mask is None and causal:
         mask = causal_mask(q.shape[2], k.shape[2], q.device)
     elif mask is None:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
-    p = softmax_with_sink(s.masked_fill(~mask, float("-inf")), sink).to(q.dtype)  # the softmax in fp32 or wider
+    p = eager_probs(qk, s, mask, sink, q.dtype, tracker, capture)  # (B, H, Tq, Tk)
+    if capture is not None:
+        capture["q"], capture["k"] = q.detach(), k.detach()
+    return p @ v  # (B, H, Tq, Dv)
+
+
+def eager_probs(qk: QKMethod, s: torch.Tensor, mask: torch.Tensor | None, sink: torch.Tensor | None,
+                dtype: torch.dtype, tracker: MaxLogitTracker | None = None,
+                capture: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """Scaled logits s (B, H, Tq, Tk) -> ``qk.logits`` -> ``mask`` (bool, True where a query sees a key;
+    None: every key, a single decoding query) -> softmax in fp32 or wider with the ``sink`` logits ->
+    probabilities (B, H, Tq, Tk) in ``dtype``. The eager kernel and MLA's absorbed decoding both run it.
+    ``tracker``: gets the per-head max of the masked logits; ``capture``: the logits, probabilities, mask."""
+    s = qk.logits(s)
+    seen = s if mask is None else s.masked_fill(~mask, float("-inf"))
+    p = softmax_with_sink(seen, sink).to(dtype)
     if tracker is not None:
-        tracker._track(s.detach().masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3)))
+        tracker._track(seen.detach().amax(dim=(0, 2, 3)))
     if capture is not None:
         capture["logits"], capture["probs"], capture["mask"] = s.detach(), p.detach(), mask
-        capture["q"], capture["k"] = q.detach(), k.detach()
-    return p @ v  # (B, H, Tq, D)
+    return p
 
 
 class Attention(nn.Module, MaxLogitTracker):

@@ -15,8 +15,9 @@ One ``nn.Linear`` per matrix (``wdq``, ``q_norm``, ``wuq``, ``wqr``, ``wdkv``, `
 matrix's per-head width).
 
 Two paths compute the same thing:
-* materialised (training, prefill): per-head q (B, H, T, nope+rope) and k, fast (SDPA) or eager, as in
-  ``attention.py``; with a per-head ``KVCache`` it decodes like MHA.
+* materialised (training, prefill): per-head q (B, H, T, nope+rope) and k through ``attention.attend``,
+  the kernel choice (SDPA, FlexAttention or eager) MHA makes; with a per-head ``KVCache`` it decodes like
+  MHA.
 * latent (``LatentCache``): the cache holds [c_kv | RoPE(k_rope)], kv_rank + rope values per token, and
   decoding is absorbed: q_nope^h . W_uk^h c = ((W_uk^h)^T q_nope^h) . c moves W_uk to the query side,
   and sum_j p_j W_uv^h c_j = W_uv^h (sum_j p_j c_j) moves W_uv to the output, so every head attends to
@@ -52,14 +53,12 @@ from qklab.model.attention import (
     KVCache,
     MaxLogitTracker,
     apply_gate,
+    attend,
     causal_mask,
-    head_max_logit,
+    eager_probs,
     make_gate,
     make_sink,
-    sdpa_causal,
-    softmax_with_sink,
 )
-from qklab.model.flex import flex_causal_with_max, flex_usable
 from qklab.model.rope import Rope, Yarn
 
 LATENT_PATHS = ("auto", "absorbed", "materialised")
@@ -152,9 +151,9 @@ class MLAttention(nn.Module, MaxLogitTracker):
         self.capture: dict[str, torch.Tensor] | None = None
         self.init_tracker(self.n_heads)  # QK-clip's per-head max logit (materialised path)
 
-    @property
-    def use_eager(self) -> bool:
-        return self.impl == "eager" or self.qk.modifies_logits or self.capture is not None
+    def scale(self, width: int) -> float:
+        """The softmax scale of q.k over ``width`` features: the method's, times YaRN's correction."""
+        return self.qk.scale(width) * self.softmax_mscale
 
     # --- projections ------------------------------------------------------------------------------
     def queries(self, x: torch.Tensor) -> torch.Tensor:
@@ -191,7 +190,7 @@ class MLAttention(nn.Module, MaxLogitTracker):
             q, k = self.qk.map_qk(q, k, prope, pos)
             if cache is not None:
                 k, v = cache.append(k, v)  # (B, H, L, F), (B, H, L, Dv)
-            y = self._attend(q, k, v, self.qk.scale(q.shape[-1]) * self.softmax_mscale)
+            y = self._attend(q, k, v)
         y = apply_gate(self.wg, x, y)  # (B, H, T, Dv)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim)  # (B, T, H*Dv)
         return self.wo(y)
@@ -228,14 +227,14 @@ class MLAttention(nn.Module, MaxLogitTracker):
         kr = rope(kr.unsqueeze(1), pos).squeeze(1)  # (B, T, rope)
         ks_n = ks[:, :: self.qk.latent_key_group, :, 0] if ks is not None else None  # (B, H / group, T)
         kv, kscale = cache.append(torch.cat([c, kr], dim=-1), ks_n)
-        scale = self.qk.scale(q.shape[-1]) * self.softmax_mscale
+        scale = self.scale(q.shape[-1])
         T = q.shape[2]
         if self.latent_path == "absorbed" or (self.latent_path == "auto" and T <= ABSORB_MAX_T):
             return self._absorbed(q, kv, kscale, gain, scale)
         if self.latent_path not in LATENT_PATHS:
             raise ValueError(f"latent_path='{self.latent_path}': use one of {', '.join(LATENT_PATHS)}")
         k, v = self._expand(kv, kscale, gain)
-        return self._attend(q, k, v, scale)
+        return self._attend(q, k, v)
 
     def _expand(self, kv, kscale, gain) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached latents (B, L, kv_rank + rope) -> the method's per-head keys (B, H, L, F), post-RoPE,
@@ -279,33 +278,13 @@ class MLAttention(nn.Module, MaxLogitTracker):
             s = torch.matmul(ql, kv.transpose(1, 2)).view(B, H, T, L) * scale  # (B, H, T, L)
             if ks is not None:
                 s = s * ks.transpose(2, 3)
-        p = self._probs(s)  # (B, H, T, L)
+        mask = causal_mask(T, L, s.device) if T > 1 or self.capture is not None else None  # one query sees all
+        p = eager_probs(self.qk, s, mask, self.sink, s.dtype, capture=self.capture)  # (B, H, T, L)
         o = torch.matmul(p.reshape(B, H * T, L), kv[..., :R]).view(B, H, T, R)  # sum_j p_j c_j
         return torch.matmul(o, self.wuv.weight.view(H, self.v_dim, R).transpose(1, 2))  # (B, H, T, Dv): W_uv o
 
     # --- attention on materialised q, k, v ---------------------------------------------------------
-    def _attend(self, q, k, v, scale: float) -> torch.Tensor:
-        """q (B, H, Tq, F), k (B, H, Tk, F), v (B, H, Tk, Dv) -> (B, H, Tq, Dv)."""
-        if not self.use_eager and self.tracking and self.sink is None and flex_usable(q, k, v):  # CUDA: from the kernel
-            y, m = flex_causal_with_max(q, k, v, scale)
-            self._track(m)
-            return y
-        if self.tracking:
-            self._track(head_max_logit(q, k, scale, self.qk.logits if self.qk.modifies_logits else None))
-        if not self.use_eager:
-            return sdpa_causal(q, k, v, scale, sink=self.sink)
-        p = self._probs((q @ k.transpose(-2, -1)) * scale)  # (B, H, Tq, Tk)
-        if self.capture is not None:
-            self.capture["q"], self.capture["k"] = q.detach(), k.detach()
-        return p @ v
-
-    def _probs(self, s: torch.Tensor) -> torch.Tensor:
-        """Scaled logits s (B, H, Tq, Tk) -> method's logits -> causal mask -> softmax."""
-        s = self.qk.logits(s)
-        if s.shape[2] == 1 and self.capture is None:  # one query (decoding) sees every cached key
-            return softmax_with_sink(s.float(), self.sink).to(s.dtype)
-        mask = causal_mask(s.shape[2], s.shape[3], s.device)
-        p = softmax_with_sink(s.float().masked_fill(~mask, float("-inf")), self.sink).to(s.dtype)
-        if self.capture is not None:
-            self.capture["logits"], self.capture["probs"], self.capture["mask"] = s.detach(), p.detach(), mask
-        return p
+    def _attend(self, q, k, v) -> torch.Tensor:
+        """q (B, H, Tq, F), k (B, H, Tk, F), v (B, H, Tk, Dv) -> (B, H, Tq, Dv), on MHA's kernel choice."""
+        return attend(self.qk, q, k, v, eager=self.impl == "eager", sink=self.sink, tracker=self,
+                      capture=self.capture, scale=self.scale(q.shape[-1]))
