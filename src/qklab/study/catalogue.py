@@ -83,6 +83,14 @@ MHA, MLA = "mha", "mla"
 QKMAP, STD, QKN = (MHA, "qkmap", "none"), (MHA, "none", "none"), (MHA, "qknorm", "none")
 QUACK, MLA_QUACK, MLA_STD = (MHA, "none", "quack"), (MLA, "none", "quack"), (MLA, "none", "none")
 
+def _slower(name: str, cid: str, method: str, controller: str = "none", control: bool = False) -> Claim:
+    """A scale claim: ``name``'s LR sensitivity grows less with width than `none`'s."""
+    text = f"{name}'s learning-rate sensitivity grows less with width than `none`'s"
+    return Claim(f"scale.{cid}_sensitivity", SCALE_FAMILY, "scale", f"positive control: {text}" if control else text,
+                 f"slope of LR sensitivity against log10 non-embedding parameters, {name} minus `none`, paired over "
+                 "seeds (< 0)", sensitivity_slope(method, controller), own=True)
+
+
 # In table order; a positive control first: it is read before the claims it gates (report/controls.py).
 # The scale claims are a study's own about how behaviour changes with scale (Wortsman et al. 2023, arXiv
 # 2309.14322). LR sensitivity of a method at a width and seed: the mean over the rate grid of
@@ -209,25 +217,8 @@ _CLAIMS = [
           "`none`: slope of log10 final max logit against log10 non-embedding parameters at the highest rate "
           "every width ran, per seed (> 0)",
           logit_by_width(), own=True),
-    Claim("scale.qknorm_sensitivity", SCALE_FAMILY, "scale",
-          "positive control: QK-Norm's learning-rate sensitivity grows less with width than `none`'s",
-          "slope of LR sensitivity against log10 non-embedding parameters, QK-Norm minus `none`, paired over "
-          "seeds (< 0)",
-          sensitivity_slope("qknorm"), own=True),
-    Claim("scale.qkmap_sensitivity", SCALE_FAMILY, "scale",
-          "QK-MAP's learning-rate sensitivity grows less with width than `none`'s",
-          "slope of LR sensitivity against log10 non-embedding parameters, QK-MAP minus `none`, paired over "
-          "seeds (< 0)",
-          sensitivity_slope("qkmap"), own=True),
-    Claim("scale.quack_sensitivity", SCALE_FAMILY, "scale",
-          "QuacK's learning-rate sensitivity grows less with width than `none`'s",
-          "slope of LR sensitivity against log10 non-embedding parameters, QuacK minus `none`, paired over "
-          "seeds (< 0)",
-          sensitivity_slope("none", "quack"), own=True),
-    Claim("scale.quest_sensitivity", SCALE_FAMILY, "scale",
-          "QUEST's learning-rate sensitivity grows less with width than `none`'s",
-          "slope of LR sensitivity against log10 non-embedding parameters, QUEST minus `none`, paired over "
-          "seeds (< 0)",
-          sensitivity_slope("quest"), own=True),
+    *(_slower(name, cid, *kind, control=cid == "qknorm") for name, cid, kind in (
+        ("QK-Norm", "qknorm", ("qknorm",)), ("QK-MAP", "qkmap", ("qkmap",)), ("QuacK", "quack", ("none", "quack")),
+        ("QUEST", "quest", ("quest",)))),
 ]
 CATALOGUE: dict[str, Claim] = {c.id: c for c in _CLAIMS}
