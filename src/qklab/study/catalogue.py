@@ -217,8 +217,9 @@ _CLAIMS = [
           "`none`: slope of log10 final max logit against log10 non-embedding parameters at the highest rate "
           "every width ran, per seed (> 0)",
           logit_by_width(), own=True),
-    *(_slower(name, cid, *kind, control=cid == "qknorm") for name, cid, kind in (
-        ("QK-Norm", "qknorm", ("qknorm",)), ("QK-MAP", "qkmap", ("qkmap",)), ("QuacK", "quack", ("none", "quack")),
-        ("QUEST", "quest", ("quest",)))),
+    _slower("QK-Norm", "qknorm", "qknorm", control=True),
+    _slower("QK-MAP", "qkmap", "qkmap"),
+    _slower("QuacK", "quack", "none", "quack"),
+    _slower("QUEST", "quest", "quest"),
 ]
 CATALOGUE: dict[str, Claim] = {c.id: c for c in _CLAIMS}
