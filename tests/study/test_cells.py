@@ -172,8 +172,14 @@ def test_workers_come_from_the_study(tmp_path, monkeypatch):
         seen.append(workers)
         return Outcome(), None
 
-    monkeypatch.setattr("qklab.cli.study.run_and_report", fake_run)
-    monkeypatch.setattr("qklab.cli.demo.run_and_report", fake_run)
+    # both modules imported before either is patched: qklab.cli.demo binds run_and_report from
+    # qklab.cli.study when first imported, and importing it here, after the first patch, would bind the
+    # fake, which monkeypatch would then "restore" for every later test
+    import qklab.cli.demo
+    import qklab.cli.study
+
+    monkeypatch.setattr(qklab.cli.study, "run_and_report", fake_run)
+    monkeypatch.setattr(qklab.cli.demo, "run_and_report", fake_run)
     f = _tiny_study(tmp_path, 3)
     assert main(["study", "run", str(f), "--out", str(tmp_path / "o")]) == 0
     assert main(["study", "run", str(f), "--out", str(tmp_path / "o"), "--workers", "0"]) == 0
