@@ -159,9 +159,9 @@ def test_workers_come_from_the_study(tmp_path, monkeypatch):
 
     assert load_study(_tiny_study(tmp_path)).workers == 1
     assert load_study(_tiny_study(tmp_path, 0)).workers == 0
-    with pytest.raises(ConfigError, match=r"^\[study\] workers: -1: use 0"):
+    with pytest.raises(ConfigError, match=r"^\[study\] workers=-1 is out of range: it must be >= 0"):
         load_study(_tiny_study(tmp_path, -1))
-    with pytest.raises(ConfigError, match=r"^\[study\] workers: '2'"):
+    with pytest.raises(ConfigError, match=r"^'\[study\] workers' must be int, got str '2'"):
         load_study(_tiny_study(tmp_path, '"2"'))
 
     seen = []

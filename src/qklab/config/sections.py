@@ -259,11 +259,19 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     if origin is Literal:  # a choice: here its type (str), its value in validate (``check_fields``)
         tp, origin = type(typing.get_args(tp)[0]), None
-    if origin in (typing.Union, types.UnionType):
+    if origin in (typing.Union, types.UnionType):  # the first of its types the value is
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
-        return _coerce(value, args[0], key)
+        if len(args) == 1:
+            return _coerce(value, args[0], key)
+        for a in args:
+            try:
+                return _coerce(value, a, key)
+            except ConfigError:
+                pass
+        want = " or ".join(getattr(a, "__name__", str(a)) for a in args)
+        raise ConfigError(f"'{key}' must be {want}, got {type(value).__name__} {value!r}")
     if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
         if not math.isfinite(value):
             raise ConfigError(f"'{key}' must be a finite number, got {value!r}")
@@ -276,6 +284,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         (inner, *_) = typing.get_args(tp) or (Any,)
         out = [v if inner is Any else _coerce(v, inner, key) for v in value]
         return tuple(out) if origin is tuple else out
+    if origin is dict and isinstance(value, dict):
+        inner = (typing.get_args(tp) or (str, Any))[1]
+        return {k: v if inner is Any else _coerce(v, inner, f"{key}.{k}") for k, v in value.items()}
     if tp is Any:
         return value
     want = getattr(tp, "__name__", str(tp))

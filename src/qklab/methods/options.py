@@ -9,6 +9,7 @@ broken rule naming the key; ``Options.validate`` runs it, then the rules across 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import typing
@@ -42,8 +43,10 @@ LATE = {"late": True}
 def option(default: Any, doc: str, rng: Range | None = None, *, late: bool = False) -> Any:
     """An ``Options`` field and what ``qklab config`` shows of it, in its metadata: doc, its meaning in one
     line; rng, its valid values (``check_fields`` checks them; choices are a ``Literal`` type); late, see
-    ``LATE``."""
+    ``LATE``. A list or table default is copied for each instance."""
     meta = {"doc": doc, **({"range": rng} if rng else {}), **(LATE if late else {})}
+    if isinstance(default, list | dict):
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -53,20 +56,28 @@ def field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def check_fields(section: str, obj: Any) -> None:
+def _holds(ok: Callable[[Any], bool], value: Any) -> bool:
+    try:
+        return bool(ok(value))
+    except (TypeError, ValueError):  # a value of another type than the range compares: out of range
+        return False
+
+
+def check_fields(section: str, obj: Any, sep: str = ".") -> None:
     """Each field's range (its metadata) and choices (its Literal type): ``model.d_model=0 is out of range:
-    it must be > 0``, ``train.optimizer='sgd': use adamw or muon``."""
+    it must be > 0``, ``train.optimizer='sgd': use adamw or muon``. A key is ``section + sep + field``
+    (a study file's: ``[protocol] probe``)."""
     hints = field_types(type(obj))
     for f in dataclasses.fields(obj):
-        value, key = getattr(obj, f.name), f"{section}.{f.name}"
+        value, key = getattr(obj, f.name), f"{section}{sep}{f.name}"
         if "range" in f.metadata:
             ok, want = f.metadata["range"]
-            if not ok(value):
+            if not _holds(ok, value):
                 raise ConfigError(f"{key}={value!r} is out of range: it must be {want}")
         if typing.get_origin(hints[f.name]) is Literal:
             *rest, last = choices = typing.get_args(hints[f.name])
             if value not in choices:
-                raise ConfigError(f"{key}={value!r}: use {', '.join(rest)} or {last}")
+                raise ConfigError(f"{key}={value!r}: use {', '.join(rest) + ' or ' if rest else ''}{last}")
 
 
 class Options:

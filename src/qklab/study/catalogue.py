@@ -8,10 +8,12 @@ claims from it; ``report.claims`` gives each its verdict. Adding a claim is one 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
+from qklab.methods.options import at_least, option
 from qklab.study.measures import (
     Measure,
     accuracy_control,
@@ -27,28 +29,78 @@ from qklab.study.scale_measures import logit_by_rate, logit_by_width, sensitivit
 SIGN_FLIP, GRID, T_TEST = "sign-flip", "grid", "t"
 QKMAP_FAMILY, QUACK_FAMILY, SCALE_FAMILY, CONTROL = "QK-MAP", "QuacK", "Scale", "control"
 
-# kind -> the parameters a claim of that kind takes, with their defaults and allowed values (None: any
-# number >= 0 / any positive int / any non-empty string, by the default's type)
-_COMMON = {"alpha": 0.05, "test": SIGN_FLIP, "family": ""}
-KINDS: dict[str, dict[str, Any]] = {
-    "loss": {**_COMMON, "rate": "tuned", "margin": 0.0, "pairing": "best"},
-    "probe": {**_COMMON, "rate": "tuned", "margin": 0.0, "context": 0},  # context: tokens (0: the training length)
-    # a positive control (report/controls.py): the task is learned at all; no test over seeds, no family
-    "control": {"threshold": 0.9, "context": 0},
-    "logits": {**_COMMON, "rate": "highest-shared-stable"},
-    "stable": {"test": GRID, "stable": "delta", "delta": 0.1, "family": ""},
-    "width": {**_COMMON, "rate": "tuned"},
-    # across a width ladder, per seed: a slope over the widths (or the rates), paired over seeds; the paired
-    # t-test is the default, since with 3 seeds the exact sign-flip test cannot go below p = 0.25
-    "scale": {**_COMMON, "test": T_TEST},
-    "elsewhere": {},
-}
-CHOICES = {"test": {"loss": [SIGN_FLIP], "probe": [SIGN_FLIP], "logits": [SIGN_FLIP], "width": [SIGN_FLIP],
-                    "stable": [GRID], "scale": [T_TEST, SIGN_FLIP]},
-           "rate": {"loss": ["tuned"], "probe": ["tuned"], "width": ["tuned"],
-                    "logits": ["highest-shared-stable", "tuned"]},
-           "pairing": {"loss": ["best", "same-tau"]},
-           "stable": {"stable": ["delta", "entropy", "near-best"]}}
+# A claim's kind is the parameters it takes: a dataclass, each parameter a field with its default, its
+# meaning and its valid values (a range in its metadata, choices as a Literal type), checked as the run
+# config's fields are (``config.from_dict`` for types, ``check_fields`` for ranges and choices).
+LEVEL = ((lambda v: 0 < v < 1), "a level between 0 and 1, e.g. 0.05")
+FAMILY = ((lambda v: bool(v)), "a non-empty name")
+
+
+@dataclass(frozen=True)
+class Tested:
+    """A claim tested over paired seeds. ``family`` "" stands for the claim's paper (``Claim.params``)."""
+
+    alpha: float = option(0.05, "the test's level", LEVEL)
+    test: Literal["sign-flip"] = option(SIGN_FLIP, "exact sign-flip test over paired seeds")
+    family: str = option("", "the family its p-value is corrected within (Holm)", FAMILY)
+
+
+@dataclass(frozen=True)
+class Loss(Tested):
+    rate: Literal["tuned"] = option("tuned", "each variant at its tuned rate")
+    margin: float = option(0.0, "nats the difference must clear", at_least(0))
+    pairing: Literal["best", "same-tau"] = option("best", "the reference's best variant, or the same tau")
+
+
+@dataclass(frozen=True)
+class Probe(Tested):
+    rate: Literal["tuned"] = option("tuned", "each variant at its tuned rate")
+    margin: float = option(0.0, "the difference must clear", at_least(0))
+    context: int = option(0, "tokens probed (0: the training length)", at_least(0))
+
+
+@dataclass(frozen=True)
+class Control:
+    """A positive control (report/controls.py): the task is learned at all; no test over seeds, no family."""
+
+    threshold: float = option(0.9, "the accuracy the task must reach", at_least(0))
+    context: int = option(0, "tokens probed (0: the training length)", at_least(0))
+
+
+@dataclass(frozen=True)
+class Logits(Tested):
+    rate: Literal["highest-shared-stable", "tuned"] = option(
+        "highest-shared-stable", "the highest rate where neither diverged, or each at its tuned rate")
+
+
+@dataclass(frozen=True)
+class Stable:
+    test: Literal["grid"] = option(GRID, "read on the rate grid")
+    stable: Literal["delta", "entropy", "near-best"] = option("delta", "what counts as stable (study.plan)")
+    delta: float = option(0.1, "nats from the best rate still counted stable", at_least(0))
+    family: str = option("", "the family its p-value is corrected within (Holm)", FAMILY)
+
+
+@dataclass(frozen=True)
+class Width(Tested):
+    rate: Literal["tuned"] = option("tuned", "each variant at its tuned rate")
+
+
+@dataclass(frozen=True)
+class Scale(Tested):
+    """Across a width ladder, per seed: a slope over the widths (or the rates), paired over seeds; the paired
+    t-test is the default, since with 3 seeds the exact sign-flip test cannot go below p = 0.25."""
+
+    test: Literal["t", "sign-flip"] = option(T_TEST, "paired t-test, or the exact sign-flip test")
+
+
+@dataclass(frozen=True)
+class Elsewhere:
+    """A claim read in another study: no parameters."""
+
+
+KINDS: dict[str, type] = {"loss": Loss, "probe": Probe, "control": Control, "logits": Logits, "stable": Stable,
+                          "width": Width, "scale": Scale, "elsewhere": Elsewhere}
 
 
 @dataclass(frozen=True)
@@ -69,7 +121,7 @@ class Claim:
 
     def params(self) -> dict[str, Any]:
         """Every parameter at the catalogue's values, its paper as the family."""
-        out = {**KINDS[self.kind], **self.defaults}
+        out = {**dataclasses.asdict(KINDS[self.kind]()), **self.defaults}
         if "family" in out:
             out["family"] = self.paper
         return out

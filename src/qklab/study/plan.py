@@ -30,36 +30,26 @@ report is exploratory).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 from datetime import UTC, datetime
 from typing import Any
 
-from qklab.config import ConfigError
-from qklab.study.catalogue import CATALOGUE, CHOICES, SIGN_FLIP
+from qklab.config import ConfigError, from_dict
+from qklab.methods.options import check_fields
+from qklab.study.catalogue import CATALOGUE, KINDS, SIGN_FLIP
 
 TABLE_KEYS = {"alpha", "test", "delta", "stable", "rate"}  # [claims] scalars: defaults for the claims below
 
 
-def _check(cid: str, key: str, value: Any, kind: str, default: Any) -> Any:
-    where = f"[claims.\"{cid}\"] {key}"
-    if key in CHOICES and kind in CHOICES[key]:
-        if value not in CHOICES[key][kind]:
-            raise ConfigError(f"{where} = {value!r}: use one of {', '.join(map(repr, CHOICES[key][kind]))}")
-        return value
-    if isinstance(default, str):
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"{where} = {value!r}: use a non-empty string")
-        return value
-    if isinstance(default, int) and not isinstance(default, bool) and key == "context":
-        if type(value) is not int or value < 0:
-            raise ConfigError(f"{where} = {value!r}: use a number of tokens (0: the training length)")
-        return value
-    if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
-        raise ConfigError(f"{where} = {value!r}: use a number >= 0")
-    if key == "alpha" and not 0 < value < 1:
-        raise ConfigError(f"{where} = {value!r}: use a level between 0 and 1, e.g. 0.05")
-    return float(value)
+def _params(cid: str, values: dict[str, Any]) -> dict[str, Any]:
+    """A registered claim's parameters, checked as its kind's fields declare them (types, ranges, choices);
+    numbers as their field's type (``alpha = 1`` -> 0.05's float), so equal plans hash equal."""
+    where = f"[claims.\"{cid}\"]"
+    params = from_dict(KINDS[CATALOGUE[cid].kind], values, f"{where} ")
+    check_fields(where, params, sep=" ")
+    return dataclasses.asdict(params)
 
 
 def parse_plan(raw: Any) -> dict[str, dict[str, Any]] | None:
@@ -85,9 +75,7 @@ def parse_plan(raw: Any) -> dict[str, dict[str, Any]] | None:
         if unknown:
             raise ConfigError(f"[claims.\"{cid}\"]: unknown key(s) {', '.join(sorted(unknown))}; a {kind} claim takes "
                               f"{', '.join(params) or 'no keys'}")
-        for k, v in [*((k, v) for k, v in table.items() if k in params), *own.items()]:
-            params[k] = _check(cid, k, v, kind, params[k])
-        plan[cid] = params
+        plan[cid] = _params(cid, {**params, **{k: v for k, v in table.items() if k in params}, **own})
     if not plan:
         raise ConfigError("[claims] registers no claim; add a table [claims.\"<id>\"] per claim, e.g. "
                           "[claims.\"qkmap.val_vs_none\"]")

@@ -49,27 +49,77 @@ from typing import Any
 
 from qklab.config import NEUTRAL, ConfigError, RunConfig, check_run_name, flatten, from_dict, read_preset, set_key
 from qklab.methods import CONTROLLERS, METHODS
+from qklab.methods.options import at_least, check_fields, option
 from qklab.study.plan import parse_plan
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
+SEED_ORDER = "seed"  # [protocol] data_seed: each cell's batch order follows its seed
+
+
+def _positive(v: list[float]) -> bool:
+    return bool(v) and all(x > 0 for x in v)
+
+
+MULTS = (_positive, "a non-empty list of positive numbers, e.g. [0.5, 1, 2]")
+
+
+@dataclass
+class StudySection:
+    """A study file's ``[study]`` table: each key a field, checked as the run config's are."""
+
+    name: str = option("", "the study's name (default: the file's stem)",
+                       ((lambda v: not v or bool(NAME_RE.match(v))), "a plain name (letters, digits, . _ -)"))
+    config: str = option("small", "the base preset or TOML file of every cell",
+                         ((lambda v: bool(v)), "a preset (e.g. \"tiny\") or a TOML file"))
+    seeds: list[int] = option([0], "the seeds every cell runs with",
+                              ((lambda v: bool(v) and min(v) >= 0 and len(set(v)) == len(v)),
+                               "a non-empty list of distinct integers >= 0"))
+    set: dict[str, Any] = option({}, "config keys applied to every cell, e.g. { \"train.steps\" = 100 }")
+    workers: int = option(1, "the default of --workers", at_least(0, " (0: cells in the calling process)"))
+
+
 @dataclass
 class Protocol:
-    reference: dict[str, str] = field(default_factory=dict)  # attention ('mha'/'mla', '*': any) -> variant
-    lr_mults: list[float] = field(default_factory=lambda: [1.0])
-    lr_mults_for: dict[str, list[float]] = field(default_factory=dict)
-    lr_key: str = "train.lr"
-    data_seed: int | str = 0  # a seed (the same batches in every cell), -1 or "seed" (each seed its own order)
-    probe: int = 0  # 0: none; N: qklab probe on each finished cell, contexts up to N training lengths
-    reuse: list[str] = field(default_factory=list)  # other studies' result folders: same config, not rerun
+    """A study file's ``[protocol]`` table: how cells are compared and which rates they run."""
+
+    # attention ('mha'/'mla', '*': any) -> variant; a study file may name one variant for all
+    reference: dict[str, str] = option({}, "the variant paired differences are taken against")
+    lr_mults: list[float] = option([1.0], "each variant's rate grid, in multiples of its own base rate", MULTS)
+    lr_mults_for: dict[str, list[float]] = option({}, "a variant's own rate grid", (
+        (lambda v: all(map(_positive, v.values()))), f"a table variant -> {MULTS[1]}"))
+    lr_key: str = option("train.lr", "the float config key the multiples scale",
+                         ((lambda v: "." in v), "a float config key, e.g. \"train.lr\""))
+    data_seed: int | str = option(0, "the batch order's seed", (
+        (lambda v: v == SEED_ORDER if isinstance(v, str) else v >= -1),
+        f"a seed >= 0 (the same batches in every cell), -1 or \"{SEED_ORDER}\" (each seed its own order; "
+        f"\"{SEED_ORDER}\" names it in the cell's config)"))
+    probe: int = option(0, "attention probes on each finished cell",
+                        at_least(0, " (N: contexts up to N training lengths)"))
+    reuse: list[str] = option([], "other studies' result folders: cells of the same config are not rerun")
 
     def mults(self, variant: str) -> list[float]:
         return self.lr_mults_for.get(variant, self.lr_mults)
 
+    def check(self, variants: dict[str, Any]) -> None:
+        """The rules across the file that no field's range states: every variant named is one."""
+        for key, names in (("reference", self.reference.values()), ("lr_mults_for", self.lr_mults_for)):
+            for k in names:
+                _need(k in variants, f"[protocol] {key}", f"'{k}' is not a variant; variants: {', '.join(variants)}")
+
     def to_dict(self) -> dict[str, Any]:
         return {"reference": self.reference, "lr_mults": self.lr_mults, "lr_mults_for": self.lr_mults_for,
                 "lr_key": self.lr_key, "data_seed": self.data_seed, "probe": self.probe, "reuse": self.reuse}
+
+
+def _section(cls: type, raw: Any, where: str) -> Any:
+    """A study file's table as its dataclass: keys and types (``config.from_dict``), then each field's range
+    and choices (``check_fields``), one line naming the key."""
+    _need(isinstance(raw, dict), where, "must be a table")
+    out = from_dict(cls, raw, f"{where} ")
+    check_fields(where, out, sep=" ")
+    return out
 
 
 @dataclass(frozen=True)
@@ -182,9 +232,6 @@ def _computing(cfg: RunConfig) -> dict[str, Any]:
     return d
 
 
-SEED_ORDER = "seed"  # [protocol] data_seed: each cell's batch order follows its seed
-
-
 def batch_order_seed(p: Protocol, seed: int) -> int:
     """A cell's ``train.data_seed``: the protocol's, or, for ``data_seed = "seed"``, the cell's own seed
     (set explicitly, so that seed 0's cells have the config, and hash, of a study fixing data_seed = 0)."""
@@ -194,13 +241,6 @@ def batch_order_seed(p: Protocol, seed: int) -> int:
 def _need(cond: bool, where: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{where}: {msg}")
-
-
-def _num_list(v: Any, where: str) -> list[float]:
-    ok = isinstance(v, list) and v and all(isinstance(x, int | float) and not isinstance(x, bool) and x > 0
-                                           and math.isfinite(x) for x in v)
-    _need(bool(ok), where, f"{v!r} must be a non-empty list of positive numbers, e.g. [0.5, 1, 2]")
-    return [float(x) for x in v]
 
 
 LARGE = 2000  # cells: more, and parse_study says how many before it checks them all
@@ -213,25 +253,9 @@ def parse_study(raw: dict[str, Any], name: str, path: Path | None = None, note=N
     known = {"study", "grid", "variants", "protocol", "claims"}
     extra = set(raw) - known
     _need(not extra, "study file", f"unknown section(s) {', '.join(sorted(extra))}; use {', '.join(sorted(known))}")
-    s = raw.get("study", {})
-    _need(isinstance(s, dict), "[study]", "must be a table")
-    bad = set(s) - {"name", "config", "seeds", "set", "workers"}
-    _need(not bad, "[study]", f"unknown key(s) {', '.join(sorted(bad))}; use name, config, seeds, set, workers")
-    workers = s.get("workers", 1)
-    _need(type(workers) is int and workers >= 0, "[study] workers",
-          f"{workers!r}: use 0 (cells in the calling process), 1 or more")
-    name = s.get("name", name)
-    _need(isinstance(name, str) and bool(NAME_RE.match(name)), "[study] name",
-          f"{name!r} must be a plain name (letters, digits, . _ -)")
-    preset = s.get("config", "small")
-    _need(isinstance(preset, str) and bool(preset), "[study] config",
-          f"{preset!r} must name a preset (e.g. \"tiny\") or a TOML file")
-    seeds = s.get("seeds", [0])
-    _need(isinstance(seeds, list) and bool(seeds) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                                          for x in seeds) and len(set(seeds)) == len(seeds),
-          "[study] seeds", f"{seeds!r} must be a non-empty list of distinct integers >= 0")
-    every_cell = s.get("set", {})
-    _need(isinstance(every_cell, dict), "[study] set", "must be a table of config keys, e.g. { \"train.steps\" = 100 }")
+    s = _section(StudySection, raw.get("study", {}), "[study]")
+    name, preset, seeds, every_cell, workers = s.name or name, s.config, s.seeds, s.set, s.workers
+    _need(bool(NAME_RE.match(name)), "[study] name", f"{name!r} must be a plain name (letters, digits, . _ -)")
     grid = raw.get("grid", {})
     _need(isinstance(grid, dict), "[grid]", "must be a table of key = [values]")
     grid = flatten(grid)
@@ -243,33 +267,10 @@ def parse_study(raw: dict[str, Any], name: str, path: Path | None = None, note=N
         _need(bool(NAME_RE.match(label)), f"variant '{label}'", "labels must be plain names (letters, digits, . _ -)")
         _need(isinstance(v, dict), f"variant '{label}'", "must be a table of config keys")
     p = raw.get("protocol", {})
-    _need(isinstance(p, dict), "[protocol]", "must be a table")
-    bad = set(p) - set(Protocol.__dataclass_fields__)
-    _need(not bad, "[protocol]",
-          f"unknown key(s) {', '.join(sorted(bad))}; use {', '.join(Protocol.__dataclass_fields__)}")
-    mults_for, lr_key = p.get("lr_mults_for", {}), p.get("lr_key", "train.lr")
-    _need(isinstance(mults_for, dict), "[protocol] lr_mults_for",
-          f"{mults_for!r} must be a table variant -> [multiples], e.g. {{ qkmap = [1, 2, 4] }}")
-    _need(isinstance(lr_key, str) and "." in lr_key, "[protocol] lr_key",
-          f"{lr_key!r} must name a float config key, e.g. \"train.lr\"")
-    ref = p.get("reference", {})
-    ref = {"*": ref} if isinstance(ref, str) else ref
-    _need(isinstance(ref, dict) and all(r in variants for r in ref.values()), "[protocol] reference",
-          f"{p.get('reference')!r} must name a variant (or a table attention -> variant); "
-          f"variants: {', '.join(variants)}")
-    proto = Protocol(reference=ref, lr_mults=_num_list(p.get("lr_mults", [1.0]), "[protocol] lr_mults"),
-                     lr_mults_for={k: _num_list(v, f"[protocol] lr_mults_for.{k}") for k, v in mults_for.items()},
-                     lr_key=lr_key, data_seed=p.get("data_seed", 0), probe=p.get("probe", 0),
-                     reuse=p.get("reuse", []))
-    for k in proto.lr_mults_for:
-        _need(k in variants, "[protocol] lr_mults_for", f"'{k}' is not a variant; variants: {', '.join(variants)}")
-    _need(isinstance(proto.reuse, list) and all(isinstance(x, str) for x in proto.reuse), "[protocol] reuse",
-          f"{proto.reuse!r}: use a list of result folders, e.g. [\"docs/results/logit_control_cpu\"]")
-    _need(type(proto.probe) is int and proto.probe >= 0, "[protocol] probe",
-          f"{proto.probe!r}: use 0 (no probes) or N >= 1 (probe contexts up to N training lengths)")
-    _need((type(proto.data_seed) is int and proto.data_seed >= -1) or proto.data_seed == SEED_ORDER,
-          "[protocol] data_seed", f"{proto.data_seed!r}: use a seed >= 0 (the same batches in every cell), -1 or "
-          f"\"{SEED_ORDER}\" (each seed its own order; \"{SEED_ORDER}\" names it in the cell's config)")
+    if isinstance(p, dict) and isinstance(p.get("reference"), str):  # one variant for every attention
+        p = {**p, "reference": {"*": p["reference"]}}
+    proto = _section(Protocol, p, "[protocol]")
+    proto.check(variants)
     study = Study(name, path, preset, list(seeds), every_cell, grid, variants, proto, workers,
                   plan=parse_plan(raw.get("claims")))
     n = len(seeds) * math.prod(len(v) for v in grid.values()) * sum(len(proto.mults(v)) for v in variants)
