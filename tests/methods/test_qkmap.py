@@ -347,3 +347,18 @@ def test_weights_saved_with_the_linear_temperature_still_load():
     old["temp"] = torch.tensor([3.0, -2.0, 7.0, 0.5])  # the earlier parameter: T_h, any sign
     m.load_state_dict(old)
     torch.testing.assert_close(m.temperature().detach(), torch.tensor([3.0, 2.0, 7.0, 0.5]))
+
+
+def test_the_map_rate_reads_its_earlier_name_and_hashes_under_it():
+    """``map_lr_scale`` was ``lr_mult``: a config, a committed result or a record giving the earlier name is
+    read as the new one, and a study cell hashes under the earlier name, so committed cells stay valid. The
+    hash is pinned to the one qklab computed before the rename for the same config."""
+    from qklab.config import RunConfig, from_dict
+    from qklab.study.spec import cell_hash
+
+    old = from_dict(RunConfig, {"qk": {"method": "qkmap", "qkmap": {"lr_mult": 3.0}}}).validate()
+    new = load_config("tiny", ["qk.method=qkmap", "qk.qkmap.map_lr_scale=3"])
+    assert old.qk.opts("qkmap").map_lr_scale == 3.0 == new.qk.opts("qkmap").map_lr_scale
+    assert cell_hash(old) == "3291daee389e925c"
+    assert QKMap(SHAPE, QKMapOptions(map_lr_scale=3.0)).param_group() == (
+        "qk_map", 3.0)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from qklab.errors import ConfigError
 from qklab.methods import CONTROLLERS, METHODS
-from qklab.methods.options import Range, above, at_least, between, field_types
+from qklab.methods.options import Range, above, at_least, between, earlier_names, field_types
 
 
 class MLADims(typing.NamedTuple):
@@ -237,7 +237,9 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     hints = field_types(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
+    renamed = earlier_names(cls)
     for key, value in data.items():
+        key = renamed.get(key, key)  # an option's earlier name, as committed results and records have it
         if cls is QKConfig and key in {**METHODS, **CONTROLLERS} and isinstance(value, dict):
             opts_cls = {**METHODS, **CONTROLLERS}[key].Options
             kwargs.setdefault("options", {})[key] = from_dict(opts_cls, value, f"{prefix}{key}.")

@@ -40,14 +40,22 @@ def above(lo: float, note: str = "") -> Range:
 LATE = {"late": True}
 
 
-def option(default: Any, doc: str, rng: Range | None = None, *, late: bool = False) -> Any:
+def option(default: Any, doc: str, rng: Range | None = None, *, late: bool = False, was: str = "") -> Any:
     """An ``Options`` field and what ``qklab config`` shows of it, in its metadata: doc, its meaning in one
     line; rng, its valid values (``check_fields`` checks them; choices are a ``Literal`` type); late, see
-    ``LATE``. A list or table default is copied for each instance."""
-    meta = {"doc": doc, **({"range": rng} if rng else {}), **(LATE if late else {})}
+    ``LATE``; was, the field's earlier name: still read (``config.from_dict``), and the name a study cell's
+    hash keeps, so that results committed under it stay valid. A list or table default is copied for each
+    instance."""
+    meta = {"doc": doc, **({"range": rng} if rng else {}), **(LATE if late else {}), **({"was": was} if was else {})}
     if isinstance(default, list | dict):
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+@functools.cache
+def earlier_names(cls: type) -> dict[str, str]:
+    """A dataclass's renamed fields: earlier name -> name (``option(..., was=...)``)."""
+    return {f.metadata["was"]: f.name for f in dataclasses.fields(cls) if f.metadata.get("was")}
 
 
 @functools.cache

@@ -21,7 +21,7 @@ phi(z) = (z / ||z||) (x) [cos(w_m g(||z||)), sin(w_m g(||z||))] with g = identit
 Frequencies w > 0 are stored as log w: one set per layer, per KV head, or per KV head and coordinate
 (``sharing``); a query head uses the frequencies of its KV head so that q and k share one spectrum.
 The temperature is stored as log T_h, so it stays positive and moves by a relative amount per step.
-Both live in their own optimizer group (``param_group``): no weight decay, rate ``lr_mult`` times the
+Both live in their own optimizer group (``param_group``): no weight decay, rate ``map_lr_scale`` times the
 base rate (``qklab.train.optim``).
 
 Init rule (``docs/qk-map.md`` lists the measured starting logit statistics of each variant):
@@ -57,8 +57,8 @@ class QKMapOptions(Options, section="qk.qkmap"):
     temperature: float = option(0.0, "initial logit bound T_h (post/polar); 0: 2 sqrt(d_head) (docs/qk-map.md)",
                                 at_least(0))
     learn_temperature: bool = option(True, "T_h is learnt as log T_h")
-    lr_mult: float = option(10.0, "rate of log_freq and log_temp relative to the base rate (no weight decay)",
-                            at_least(0))
+    map_lr_scale: float = option(10.0, "rate of log_freq and log_temp relative to the base rate (no weight "
+                                 "decay)", at_least(0), was="lr_mult")
     rope: Literal["after", "before"] = option("after", "after: RoPE on (cos, sin) pairs; before: RoPE on z, then the "
                                                        "map (ablation)")
     polar_g: Literal["identity", "log"] = option("log", "polar only: the norm as it is, or its log")
@@ -143,7 +143,7 @@ class QKMap(QKMethod):
 
     def param_group(self) -> tuple[str, float] | None:
         """The optimizer group of the map's own parameters: (name, rate multiplier), no weight decay."""
-        return "qk_map", self.opts.lr_mult
+        return "qk_map", self.opts.map_lr_scale
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -229,6 +229,8 @@ def _computing(cfg: RunConfig) -> dict[str, Any]:
         for f in dataclasses.fields(cls):
             if f.metadata.get("late") and f.name in opts and opts[f.name] == f.default:
                 del opts[f.name]
+            if f.metadata.get("was") and f.name in opts:  # a renamed option hashes under its earlier name
+                opts[f.metadata["was"]] = opts.pop(f.name)
     return d
 
 
