@@ -33,7 +33,7 @@ def test_profile_then_command_line(tmp_path):
     (["sbatch=exclusive"], "slurm option sbatch line 'exclusive': give an option"),
     (["gpu=1"], "--slurm gpu=1: unknown key 'gpu'; use one of partition, account"),
     (["cpus=eight"], "--slurm cpus=eight: cpus = 'eight' must be an integer"),
-    (["cpus"], "--slurm 'cpus': use KEY=VALUE"),
+    (["cpus"], "--slurm: 'cpus' must look like key=value, e.g. partition=gpu"),
 ])
 def test_mistakes_are_one_line(sets, msg):
     with pytest.raises(ConfigError) as e:

@@ -20,7 +20,7 @@ check reads ranges and choices, for these sections and each method's options ali
 from __future__ import annotations
 
 from qklab.config.checks import check_head_groups, check_model, check_run_name
-from qklab.config.dotted import flatten, parse_set, parse_sets, parse_value, set_key
+from qklab.config.dotted import flatten, parse_set, parse_sets, parse_value, set_key, split_set
 from qklab.config.keys import REFERENCE, KeyInfo, config_keys, keys_markdown, keys_text, select_keys, toml_value
 from qklab.config.load import (
     PRESET_DIR,
@@ -41,5 +41,5 @@ __all__ = [
     "ModelConfig", "QKConfig", "RunConfig", "Tracker", "TrainConfig", "check_head_groups", "check_model",
     "check_run_name", "comparable", "config_keys", "flatten", "from_dict", "keys_markdown", "keys_text",
     "load_config", "packaged", "parse_set", "parse_sets", "parse_value", "preset_names", "read_preset",
-    "resolve_named_file", "resolve_preset", "resume_changes", "select_keys", "set_key", "toml_value",
+    "resolve_named_file", "resolve_preset", "resume_changes", "select_keys", "set_key", "split_set", "toml_value",
 ]

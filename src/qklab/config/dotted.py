@@ -20,13 +20,19 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def parse_set(item: str, where: str = "--set") -> tuple[str, Any]:
-    """'train.lr=1e-3' -> ('train.lr', 0.001): the key, stripped, and its value (``parse_value``); ``where``
-    (what the item came with: --set, a sweep's --variant) starts the one line that refuses a malformed item."""
+def split_set(item: str, where: str = "--set", example: str = "train.lr=1e-3 or qk.method=qknorm") -> tuple[str, str]:
+    """'train.lr=1e-3' -> ('train.lr', '1e-3'): the key and the value's text, both stripped; ``where`` (what
+    the item came with: --set, a sweep's --variant, --slurm) starts the one line that refuses a malformed item."""
     key, sep, value = item.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"{where}: '{item}' must look like key=value, e.g. train.lr=1e-3 or qk.method=qknorm")
-    return key.strip(), parse_value(value.strip())
+        raise ConfigError(f"{where}: '{item}' must look like key=value, e.g. {example}")
+    return key.strip(), value.strip()
+
+
+def parse_set(item: str, where: str = "--set") -> tuple[str, Any]:
+    """'train.lr=1e-3' -> ('train.lr', 0.001): ``split_set``, the value read by ``parse_value``."""
+    key, text = split_set(item, where)
+    return key, parse_value(text)
 
 
 def parse_sets(items: Iterable[str], where: str = "--set") -> dict[str, Any]:

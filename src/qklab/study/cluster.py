@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qklab.config import ConfigError
+from qklab.config import ConfigError, parse_value, split_set
 
 TIME_RE = re.compile(r"^(\d+-)?\d+(:\d+){0,2}$")  # Slurm's time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
 MEM_RE = re.compile(r"^\d+[KMGT]?$")
@@ -118,15 +118,9 @@ def parse_sets(items: list[str]) -> dict[str, Any]:
     """``--slurm KEY=VALUE`` items: a value is TOML (a number, a quoted string, a list) or a bare word."""
     out: dict[str, Any] = {}
     for item in items:
-        key, eq, text = item.partition("=")
-        if not eq or not key.strip():
-            raise ConfigError(f"--slurm {item!r}: use KEY=VALUE, e.g. --slurm partition=gpu")
-        key = key.strip()
+        key, text = split_set(item, "--slurm", "partition=gpu")
         want = FIELDS[key].type if key in FIELDS else "str"
-        try:
-            value = tomllib.loads(f"v = {text}")["v"] if want != "str" else text
-        except tomllib.TOMLDecodeError:
-            value = text
+        value = parse_value(text) if want != "str" else text  # a str field keeps its text: account=0123
         if want.startswith("list") and isinstance(value, str):
             value = [*out.get(key, []), value]  # --slurm sbatch=... is repeatable
         out[key] = _typed(key, value, f"--slurm {item}")
