@@ -132,6 +132,8 @@ def test_shown_ranges_and_choices_are_the_ones_load_config_enforces():
             for choice in k.allowed.split("from ")[1].split(" | "):
                 load_config(None, [f"{k.key}={toml_value([choice])}"])
             bad: list[object] = [["bogus"]]
+        elif k.type == "str" and k.allowed == "non-empty":
+            bad = [""]
         elif k.type == "str":
             for choice in k.allowed.split(" | "):
                 load_config(None, [*needs, f"{k.key}={choice}", *CHOICE_NEEDS.get((k.key, choice), [])])

@@ -12,7 +12,7 @@ SRC = Path(qklab.__file__).parent
 
 # lowest first; a room may import from its own rank and below
 RANKS = {
-    "atomic": 0, "version": 0, "errors": 0,
+    "atomic": 0, "version": 0, "errors": 0, "fields": 0,
     "methods": 1, "data": 1,
     "config": 2,
     "model": 3,

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -45,12 +46,19 @@ def test_missing_path_is_reported_by_prepare_data(tmp_path: Path) -> None:
         ({"source": "hf:"}, "data.source"),
         ({"source": ""}, "data.source"),
         ({"text_field": ""}, "data.text_field"),
+        ({"cache_dir": ""}, "data.cache_dir"),
+        ({"mqar_keys": 1}, "data.mqar_keys"),
+        ({"mqar_keys": 2.5}, "data.mqar_keys"),
+        ({"max_files": True}, "data.max_files"),
+        ({"mqar_pairs": 0}, "data.mqar_pairs"),
+        ({"mqar_queries": -1}, "data.mqar_queries"),
     ],
 )
 def test_invalid_values(changes: dict[str, object], field: str) -> None:
     with pytest.raises(DataError) as err:
         DataConfig(**changes).validate()  # type: ignore[arg-type]
-    assert str(err.value).startswith(field + ":")
+    assert re.match(re.escape(field) + "[=:]", str(err.value)), str(err.value)  # one line naming the key
+    assert "\n" not in str(err.value)
 
 
 def test_vocab_bounds_are_inclusive_and_bpe_only() -> None:

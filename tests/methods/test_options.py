@@ -1,13 +1,14 @@
-"""The one validation of the methods' options (``qklab.methods.options``): each field's range and choices
-from its metadata and type, then the rules across fields, one line naming the key."""
+"""The one validation of the methods' options (``qklab.methods.options``, ``qklab.fields``): each field's range
+and choices from its metadata and type, then the rules across fields, one line naming the key."""
 
 from __future__ import annotations
 
 import pytest
 
+from qklab.fields import between
 from qklab.methods import CONTROLLERS, METHODS
 from qklab.methods.base import NoOptions
-from qklab.methods.options import Options, between
+from qklab.methods.options import Options
 from qklab.methods.qkclip import QKClipOptions
 from qklab.methods.qknorm import QKNormOptions
 from qklab.methods.quack import QuacKOptions

@@ -7,7 +7,7 @@ What is known about a key sits on its field: a ``typing.Literal`` type lists its
 field's metadata its meaning, its valid range, whether it is neutral (does not change what a run
 computes: a study's cell hash leaves it out) and whether it is resumable (may change on resume). One
 check reads ranges and choices, for these sections and each method's options alike
-(``qklab.methods.options``, which the methods' ``Options`` share: methods/ never imports the config).
+(``qklab.fields``, which the methods' ``Options`` share: methods/ never imports the config).
 
     sections.py  the model, qk and train sections, their fields' metadata, ``from_dict``
     checks.py    rules across keys (``check_model``, Group Muon's heads), run names

@@ -1,7 +1,7 @@
 """The rules a run config must meet beyond each key's type and range: rules across keys (a model's shape
 with its QK method, Group Muon's heads) and run names. Each broken rule is one ``ConfigError`` line that
 names the key and says how to fix it; each field's own range and choices are ``check_fields``'s
-(``qklab.methods.options``)."""
+(``qklab.fields``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import re
 
 from qklab.config.sections import ModelConfig, QKConfig, ensure
 from qklab.errors import ConfigError
+from qklab.fields import check_fields
 from qklab.methods import CONTROLLERS, METHODS, AttnShape
-from qklab.methods.options import check_fields
 
 
 def check_model(m: ModelConfig, q: QKConfig) -> None:

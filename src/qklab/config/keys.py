@@ -17,8 +17,8 @@ from qklab.config.load import load_config
 from qklab.config.run import RunConfig
 from qklab.config.sections import QKConfig
 from qklab.errors import ConfigError
+from qklab.fields import field_types
 from qklab.methods import CONTROLLERS, METHODS
-from qklab.methods.options import field_types
 
 
 @dataclass(frozen=True)

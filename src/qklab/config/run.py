@@ -13,7 +13,7 @@ from qklab.config.dotted import flatten
 from qklab.config.sections import ModelConfig, QKConfig, Tracker, TrainConfig, _key, ensure
 from qklab.data import DataConfig, DataError
 from qklab.errors import ConfigError
-from qklab.methods.options import check_fields, field_types
+from qklab.fields import check_fields, field_types
 
 
 @dataclass

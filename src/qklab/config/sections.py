@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from qklab.errors import ConfigError
+from qklab.fields import Range, above, at_least, between, earlier_names, field_types
 from qklab.methods import CONTROLLERS, METHODS
-from qklab.methods.options import Range, above, at_least, between, earlier_names, field_types
 
 
 class MLADims(typing.NamedTuple):

@@ -15,7 +15,7 @@ A QK method is either forward-side or optimizer-side:
   learning rates, ``after_step`` may rescale weights. Its state goes into checkpoints.
 
 Adding a method means one new file with a subclass (and its ``Options`` dataclass, whose fields state
-their ranges and choices: ``qklab.methods.options``) plus one registry line in ``qklab.methods``. The
+their ranges and choices: ``qklab.fields``) plus one registry line in ``qklab.methods``. The
 subclass overrides what it changes, and nothing else: the widths
 (``proj_dim``, ``qk_in_dim``, ``feature_dim``, ``qk_init_std``), the maps (``map_input``, ``map_qk``, and
 ``latent_map`` for MLA's latent cache), ``scale``, ``logits`` (with ``modifies_logits``) and ``raw_logit``,

@@ -70,10 +70,11 @@ from typing import Any, Literal
 import torch
 
 from qklab.errors import ConfigError
+from qklab.fields import above, at_least, option
 from qklab.methods.applied import MeasuredUpdate, head_norms, per_layer, rows_head_sq
 from qklab.methods.base import QKController
 from qklab.methods.headwise import HeadMatrix, group_decay, is_mla, logit_matrices
-from qklab.methods.options import Options, above, at_least, option
+from qklab.methods.options import Options
 from qklab.methods.shards import is_sharded, local_rows
 
 

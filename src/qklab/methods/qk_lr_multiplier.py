@@ -8,10 +8,11 @@ from typing import Any
 
 import torch
 
+from qklab.fields import above, option
 from qklab.methods.applied import MeasuredUpdate, head_norms, per_layer
 from qklab.methods.base import QKController
 from qklab.methods.headwise import logit_matrices
-from qklab.methods.options import Options, above, option
+from qklab.methods.options import Options
 
 
 @dataclass

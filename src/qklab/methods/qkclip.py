@@ -24,10 +24,11 @@ from typing import Any, Literal
 
 import torch
 
+from qklab.fields import above, between, option
 from qklab.methods.applied import head_norms, rows_head_sq
 from qklab.methods.base import QKController, QKMethod
 from qklab.methods.headwise import is_mla, logit_matrices
-from qklab.methods.options import Options, above, between, option
+from qklab.methods.options import Options
 from qklab.methods.shards import local_rows
 
 

@@ -33,8 +33,9 @@ from typing import Any, Literal
 
 import torch
 
+from qklab.fields import above, option
 from qklab.methods.base import AttnShape, QKMethod
-from qklab.methods.options import Options, above, option
+from qklab.methods.options import Options
 
 
 @dataclass

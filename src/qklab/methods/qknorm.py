@@ -30,8 +30,9 @@ from typing import Literal
 import torch
 from torch import nn
 
+from qklab.fields import above, at_least, option
 from qklab.methods.base import AttnShape, QKMethod
-from qklab.methods.options import Options, above, at_least, option
+from qklab.methods.options import Options
 
 
 @dataclass

@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 import torch
 
+from qklab.fields import above, option
 from qklab.methods.applied import MeasuredUpdate, head_norms, per_layer
 from qklab.methods.base import QKController
 from qklab.methods.headwise import (
@@ -41,7 +42,7 @@ from qklab.methods.headwise import (
     is_mla,
     logit_matrices,
 )
-from qklab.methods.options import Options, above, option
+from qklab.methods.options import Options
 from qklab.methods.shards import is_sharded
 
 

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from qklab.fields import above, option
 from qklab.methods.base import AttnShape, QKMethod
-from qklab.methods.options import Options, above, option
+from qklab.methods.options import Options
 
 
 @dataclass

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from qklab.fields import at_least, option
 from qklab.methods.base import AttnShape, QKMethod, positions_of
-from qklab.methods.options import Options, at_least, option
+from qklab.methods.options import Options
 
 
 @dataclass

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from qklab.methods.options import at_least, option
+from qklab.fields import at_least, option
 from qklab.study.measures import (
     Measure,
     accuracy_control,

@@ -37,7 +37,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from qklab.config import ConfigError, from_dict
-from qklab.methods.options import check_fields
+from qklab.fields import check_fields
 from qklab.study.catalogue import CATALOGUE, KINDS, SIGN_FLIP
 
 TABLE_KEYS = {"alpha", "test", "delta", "stable", "rate"}  # [claims] scalars: defaults for the claims below

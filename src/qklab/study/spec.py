@@ -48,8 +48,8 @@ from pathlib import Path
 from typing import Any
 
 from qklab.config import NEUTRAL, ConfigError, RunConfig, check_run_name, flatten, from_dict, read_preset, set_key
+from qklab.fields import at_least, check_fields, option
 from qklab.methods import CONTROLLERS, METHODS
-from qklab.methods.options import at_least, check_fields, option
 from qklab.study.plan import parse_plan
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
