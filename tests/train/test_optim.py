@@ -73,13 +73,13 @@ def test_adamw_update_matches_direct_formula():
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_qkmap_parameters_get_their_own_group(optimizer):
-    """log_freq and log_temp: one AdamW group, no weight decay, lr_mult times the AdamW rate."""
+    """log_freq and log_temp: one AdamW group, no weight decay, map_lr_scale times the AdamW rate."""
     from qklab.config import ModelConfig, QKConfig
     from qklab.methods.qkmap import QKMapOptions
     from qklab.model import GPT
 
     model = GPT(ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, max_seq_len=64),
-                QKConfig(method="qkmap", options={"qkmap": QKMapOptions(lr_mult=4.0)}))
+                QKConfig(method="qkmap", options={"qkmap": QKMapOptions(map_lr_scale=4.0)}))
     opts = build_optimizer(model, TrainConfig(optimizer=optimizer, lr=0.02, adam_lr=1e-3, weight_decay=0.1))
     groups = {g["name"]: g for o in opts for g in o.param_groups}
     own = groups["qk_map"]
