@@ -32,14 +32,14 @@ from qklab.config.load import (
     resolve_preset,
 )
 from qklab.config.run import NEUTRAL, RESUMABLE, RunConfig, comparable, resume_changes
-from qklab.config.sections import MLADims, ModelConfig, QKConfig, Tracker, TrainConfig, from_dict
+from qklab.config.sections import MLADims, ModelConfig, QKConfig, Tracker, TrainConfig, from_dict, from_table
 from qklab.data import DataConfig
 from qklab.errors import ConfigError
 
 __all__ = [
     "NEUTRAL", "PRESET_DIR", "REFERENCE", "RESUMABLE", "ConfigError", "DataConfig", "KeyInfo", "MLADims",
     "ModelConfig", "QKConfig", "RunConfig", "Tracker", "TrainConfig", "check_head_groups", "check_model",
-    "check_run_name", "comparable", "config_keys", "flatten", "from_dict", "keys_markdown", "keys_text",
+    "check_run_name", "comparable", "config_keys", "flatten", "from_dict", "from_table", "keys_markdown", "keys_text",
     "load_config", "packaged", "parse_set", "parse_sets", "parse_value", "preset_names", "read_preset",
     "resolve_named_file", "resolve_preset", "resume_changes", "select_keys", "set_key", "split_set", "toml_value",
 ]

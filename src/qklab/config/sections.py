@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from qklab.errors import ConfigError
-from qklab.fields import Range, above, at_least, between, earlier_names, field_types
+from qklab.fields import Range, above, at_least, between, check_fields, earlier_names, field_types
 from qklab.methods import CONTROLLERS, METHODS
 
 
@@ -253,6 +253,14 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
             raise ConfigError(f"unknown key '{prefix}{key}'; known keys here: {', '.join(known)}{more}")
         kwargs[key] = _coerce(value, hints[key], f"{prefix}{key}")
     return cls(**kwargs)
+
+
+def from_table(cls: type, data: dict[str, Any], where: str) -> Any:
+    """A study file's table (``[protocol]``, ``[claims."<id>"]``) as dataclass ``cls``: keys and types by
+    ``from_dict``, then each field's range and choices by ``check_fields``; its keys read ``[protocol] probe``."""
+    out = from_dict(cls, data, f"{where} ")
+    check_fields(where, out, sep=" ")
+    return out
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:

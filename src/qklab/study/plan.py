@@ -36,8 +36,7 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from qklab.config import ConfigError, from_dict
-from qklab.fields import check_fields
+from qklab.config import ConfigError, from_table
 from qklab.study.catalogue import CATALOGUE, KINDS, SIGN_FLIP
 
 TABLE_KEYS = {"alpha", "test", "delta", "stable", "rate"}  # [claims] scalars: defaults for the claims below
@@ -46,10 +45,7 @@ TABLE_KEYS = {"alpha", "test", "delta", "stable", "rate"}  # [claims] scalars: d
 def _params(cid: str, values: dict[str, Any]) -> dict[str, Any]:
     """A registered claim's parameters, checked as its kind's fields declare them (types, ranges, choices);
     numbers as their field's type (``alpha = 1`` -> 0.05's float), so equal plans hash equal."""
-    where = f"[claims.\"{cid}\"]"
-    params = from_dict(KINDS[CATALOGUE[cid].kind], values, f"{where} ")
-    check_fields(where, params, sep=" ")
-    return dataclasses.asdict(params)
+    return dataclasses.asdict(from_table(KINDS[CATALOGUE[cid].kind], values, f"[claims.\"{cid}\"]"))
 
 
 def parse_plan(raw: Any) -> dict[str, dict[str, Any]] | None:

@@ -47,8 +47,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qklab.config import NEUTRAL, ConfigError, RunConfig, check_run_name, flatten, from_dict, read_preset, set_key
-from qklab.fields import at_least, check_fields, option
+from qklab.config import (
+    NEUTRAL,
+    ConfigError,
+    RunConfig,
+    check_run_name,
+    flatten,
+    from_dict,
+    from_table,
+    read_preset,
+    set_key,
+)
+from qklab.fields import at_least, option
 from qklab.methods import CONTROLLERS, METHODS
 from qklab.study.plan import parse_plan
 
@@ -114,12 +124,9 @@ class Protocol:
 
 
 def _section(cls: type, raw: Any, where: str) -> Any:
-    """A study file's table as its dataclass: keys and types (``config.from_dict``), then each field's range
-    and choices (``check_fields``), one line naming the key."""
+    """A study file's table as its dataclass (``config.from_table``), one line naming the key."""
     _need(isinstance(raw, dict), where, "must be a table")
-    out = from_dict(cls, raw, f"{where} ")
-    check_fields(where, out, sep=" ")
-    return out
+    return from_table(cls, raw, where)
 
 
 @dataclass(frozen=True)
