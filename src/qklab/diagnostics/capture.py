@@ -115,13 +115,6 @@ def qk_hooks(model: nn.Module, fn: QKHook) -> Iterator[None]:
                 del qk.map_qk
 
 
-def softmax_scale(attn: nn.Module, width: int) -> float:
-    """The scale the layer's forward puts on q.k over ``width`` features: the layer's own ``scale(width)``
-    where it has one (MLA: the method's, times YaRN's ``softmax_mscale``), else its QK method's."""
-    own = getattr(attn, "scale", None)
-    return own(width) if callable(own) else attn.qk.scale(width)
-
-
 def logit_rows(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
     """The layer's pre-softmax logits of query rows r0..r1-1 (after the layer's scaling, YaRN's MLA
     correction included, and the method's rewrite, before the mask), fp32: q (B, H, Tq, F), k (B, Hk, Tk, F)
@@ -129,7 +122,7 @@ def logit_rows(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, r0: int, r1: i
     H = q.shape[1]
     if k.shape[1] != H:
         k = k.repeat_interleave(H // k.shape[1], dim=1)  # (B, H, Tk, F)
-    s = (q[:, :, r0:r1] @ k.transpose(-2, -1)) * softmax_scale(attn, q.shape[-1])  # (B, H, c, Tk)
+    s = (q[:, :, r0:r1] @ k.transpose(-2, -1)) * attn.scale(q.shape[-1])  # (B, H, c, Tk)
     return attn.qk.logits(s).float()
 
 

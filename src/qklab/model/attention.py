@@ -266,6 +266,11 @@ class Attention(nn.Module, MaxLogitTracker):
         self.capture: dict[str, torch.Tensor] | None = None
         self.init_tracker(self.n_heads)
 
+    def scale(self, width: int) -> float:
+        """The softmax scale of q.k over ``width`` features: the method's (as ``attend`` takes it by default;
+        MLA's adds YaRN's correction), so diagnostics ask either attention kind the same question."""
+        return self.qk.scale(width)
+
     def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape  # x: (B, T, C)
         pos = cache.length if cache is not None else 0
