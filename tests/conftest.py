@@ -7,28 +7,16 @@ import torch
 
 from qklab.config import ModelConfig, QKConfig
 from qklab.model import GPT
+from qklab.train.startup import inductor_cache_per_cpu_capability
 
 # the suite runs `qklab study run` from this checkout, often with uncommitted changes: as --allow-dirty
 # (tests/study/test_provenance.py unsets it to test the refusal)
 os.environ.setdefault("QKLAB_ALLOW_DIRTY", "1")
 
 
-def _inductor_cache_per_cpu_capability() -> None:
-    """Inductor's on-disk cache (compiled graphs, e.g. torchtitan's compiled FlexAttention) in a folder of
-    this process's CPU capability. Its keys leave out the vector ISA, which ATEN_CPU_CAPABILITY picks,
-    while the C++ it stores is written for one vector width (loops stepping by 16 floats for AVX-512, 8 for
-    AVX2) and compiled again with the flags of the process that loads it: a graph cached by a run with
-    ATEN_CPU_CAPABILITY=avx2 and loaded by a run without it (or the other way round) gives wrong values,
-    not an error. Runs of the suite under two capabilities on one machine thus keep apart."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    capability = torch.backends.cpu.get_cpu_capability().lower()
-    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
-    if os.path.basename(os.path.normpath(base)) != capability:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, capability)
-
-
-_inductor_cache_per_cpu_capability()
+# compiled graphs (e.g. torchtitan's compiled FlexAttention) cached per CPU capability, as a compiled
+# training run keeps them: runs of the suite under two capabilities on one machine keep apart
+inductor_cache_per_cpu_capability()
 
 
 @pytest.fixture(autouse=True)

@@ -3,6 +3,10 @@ method on MHA, GQA and MLA, with QK-clip's max-logit tracking on, and computes w
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -37,3 +41,42 @@ def test_train_step_compiles_fullgraph_and_matches_eager(attention, n_kv, method
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=n)
     for a, b in zip(eager.blocks, compiled.blocks, strict=True):
         torch.testing.assert_close(b.attn.pop_max_logit(), a.attn.pop_max_logit())
+
+
+_COMPILED = """
+import sys, torch
+from qklab.train.startup import inductor_cache_per_cpu_capability
+inductor_cache_per_cpu_capability()
+torch.manual_seed(0)
+x = torch.randn(4, 37, 64)  # (B, T, D)
+f = lambda x: (x @ x.transpose(1, 2) * 0.125).softmax(-1) @ x
+print((torch.compile(f)(x) - f(x)).abs().max().item())
+"""
+
+
+def test_a_compiled_graph_is_not_served_to_another_cpu_capability(tmp_path):
+    """Inductor's cache keys leave out the vector ISA: without a folder per capability, a graph compiled by
+    an AVX-512 process and loaded under AVX2 was 4.3 off (and the other way round corrupted the heap).
+    Two processes share one TORCHINDUCTOR_CACHE_DIR, first this machine's capability, then another."""
+    from tests.conftest import another_cpu_capability
+
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "cache")
+    for capability in (None, another_cpu_capability()):
+        run_env = env if capability is None else {**env, "ATEN_CPU_CAPABILITY": capability.lower()}
+        r = subprocess.run([sys.executable, "-c", _COMPILED], env=run_env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert float(r.stdout.split()[-1]) < 1e-5, (capability, r.stdout)
+
+
+def test_a_compiled_run_keeps_its_cache_per_cpu_capability(tmp_path, monkeypatch):
+    from qklab.config import load_config
+    from qklab.train.trainer import Trainer
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = load_config("tiny", [f"train.out_dir='{tmp_path / 'runs'}'", "train.name=c", "train.compile=true",
+                                "train.progress=false", f"data.cache_dir='{tmp_path / 'data'}'"])
+    Trainer(cfg, log=lambda s: None).close()
+    here = torch.backends.cpu.get_cpu_capability().lower()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / here)

@@ -199,7 +199,8 @@ class TrainConfig:
     log_every: int = _key(10, above(0), doc="steps between metric records",
                           resumable=True)
     dtype: Literal["fp32", "bf16"] = _key("fp32", doc="bf16: autocast, for GPUs")
-    compile: bool = _key(False, doc="torch.compile the model", resumable=True)
+    compile: bool = _key(False, doc="torch.compile the model (its on-disk cache kept per CPU capability)",
+                         resumable=True)
     device: Literal["auto", "cpu", "cuda"] = _key("auto", doc="auto: cuda where there is one, else cpu",
                                                   resumable=True)
     threads: int = _key(0, at_least(0, " (0: torch's default)"), doc="torch intra-op CPU threads", neutral=True,

@@ -12,6 +12,22 @@ import torch
 from qklab.config import ConfigError, RunConfig, check_run_name, comparable, resume_changes
 
 
+def inductor_cache_per_cpu_capability() -> None:
+    """Keep torch.compile's on-disk cache (TORCHINDUCTOR_CACHE_DIR, or torch's default) in a folder of this
+    process's CPU capability. Inductor's cache keys leave out the vector instruction set, which
+    ATEN_CPU_CAPABILITY picks, while the C++ it stores is written for one vector width: a graph compiled
+    under AVX-512 and loaded under AVX2 gives wrong values (or NaN), and the other way round can corrupt
+    the heap. A folder that already names the capability is kept as it is."""
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    if os.path.basename(os.path.normpath(base)) != capability:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, capability)
+
+
 def versions() -> dict[str, str]:
     import safetensors
     import tokenizers

@@ -35,7 +35,7 @@ from qklab.train.optim import build_optimizer, schedule_factor, set_lr
 from qklab.train.progress import Progress
 from qklab.train.resume import restore_run_state, resume_point, run_state, seed_everything
 from qklab.train.signals import RunInterrupted, StopSignals
-from qklab.train.startup import machines, pick_device, run_name, versions
+from qklab.train.startup import inductor_cache_per_cpu_capability, machines, pick_device, run_name, versions
 from qklab.train.trackers import build_trackers
 from qklab.version import git_sha
 
@@ -156,6 +156,8 @@ class Trainer:
         """What the train step calls: the model or its DDP wrapper, compiled or not (a collective: every rank
         calls it once the build agreed)."""
         wrapped = self.parallel.wrap()
+        if self.cfg.train.compile:
+            inductor_cache_per_cpu_capability()
         self.fwd = torch.compile(wrapped) if self.cfg.train.compile else wrapped
 
     # ------------------------------------------------------------------------------------------------
