@@ -262,3 +262,20 @@ def test_results_readme_states_the_english_verdicts_beside_the_code_ones():
     want = {r[1]: (_verdict_of(r[2]), _verdict_of(r[5])) for r in beside["rows"]}
     readme = {r[1]: (_verdict_of(r[2]), _verdict_of(r[3])) for r in _readme_section(ENGLISH_CLAIMS)}
     assert {c: readme.get(c) for c in want} == want
+
+
+ROW_KEYS = {  # table -> the columns that name one row: a group (variant, grid point, study), at a rate
+    "results": ("variant", "attn"), "sensitivity": ("variant", "attn"), "throughput": ("variant", "attn"),
+    "stability": ("variant", "attn", "lr")}
+
+
+@pytest.mark.parametrize("report_json", COMMITTED)
+def test_every_row_of_a_committed_report_names_its_group(report_json):
+    """A reader tells the rows apart: in a study with a grid of widths or a report of several studies, a row
+    carries its grid point and study, so no two rows of a table read alike (the sensitivity, stability and
+    throughput tables once named the variant alone: `none | mha` four times in the width ladder's)."""
+    tables = json.loads((RESULTS / report_json).read_text())["tables"]
+    for name, cols in ROW_KEYS.items():
+        if name in tables:
+            keys = [tuple(r) for r in _columns(tables[name], cols)[1:]]
+            assert len(set(keys)) == len(keys), f"{report_json}: {name}: {[k for k in keys if keys.count(k) > 1]}"

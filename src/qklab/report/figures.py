@@ -93,9 +93,10 @@ def _head_band(steps: list[int], values: list, seed: int) -> dict[str, Any]:
             "seed": seed, "heads": int(keep[0][1].size) if keep else 0}
 
 
-def variant_name(g: Group) -> str:
-    """A group's name within its study: the variant and its grid point (table rows and columns)."""
-    return g.variant + (f" [{g.point}]" if g.point else "")
+def variant_name(g: Group, study: bool = True) -> str:
+    """A group's name in a report (table rows and columns): the variant, its grid point, and its study when
+    the report has several (``study=False`` where a column or heading names the study already)."""
+    return g.variant + (f" [{g.point}]" if g.point else "") + (f" ({g.study})" if study and g.multi else "")
 
 
 def _panel(g: Group) -> str:

@@ -69,7 +69,7 @@ def summary_lines(groups: list[Group], cells: Cells, limit: int = 12) -> list[st
                                            if g.stats["report_loss"].n else math.inf))
     lines = []
     for g in ranked[:limit]:
-        name, st, ch = variant_name(g), g.stats["report_loss"], g.chosen
+        name, st, ch = variant_name(g, study=False), g.stats["report_loss"], g.chosen
         where = f" (`{g.study}`)" if g.multi else ""
         if ch is None or not st.n:
             lines.append(f"- **{md_text(name)}**{where}: no rate eligible (every rate diverged, did not learn or "

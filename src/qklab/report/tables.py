@@ -129,7 +129,7 @@ def results_links(groups: list[Group], cells: Cells) -> Links:
     by_key = {(g.study, g.point, g.variant): g for g in groups}
     out = []
     for g in groups:
-        name, ch = f"{variant_name(g)} ({g.study})", g.chosen
+        name, ch = f"{variant_name(g, study=False)} ({g.study})", g.chosen
         if ch is None:
             at = paired = None
         else:
@@ -160,7 +160,7 @@ def sensitivity_table(groups: list[Group]) -> Table:
                                                               unstable(s.diverged, s.not_learned))
                              + (f", {s.failed} failed" if s.failed else ""))
         hs = g.highest_stable
-        rows.append([g.variant, g.attention, *cells, f"x{g.chosen:g}" if g.chosen is not None else "-",
+        rows.append([variant_name(g), g.attention, *cells, f"x{g.chosen:g}" if g.chosen is not None else "-",
                      f"x{hs:g}" if hs is not None else "-"])
     return head, rows
 
@@ -185,7 +185,7 @@ def stability_table(groups: list[Group]) -> Table:
         for m, s in sorted(g.sweep.items()):
             sel = s.select_all
             ml = s.max_logit or {"mean": float("nan"), "n": 0}
-            rows.append([g.variant, g.attention, f"{s.lr:.3g} (x{m:g})", str(s.n), fmt_mean_std(sel),
+            rows.append([variant_name(g), g.attention, f"{s.lr:.3g} (x{m:g})", str(s.n), fmt_mean_std(sel),
                          f"{uni - sel.mean:.3f}" if sel.n else "-", _late(s),
                          f"{ml.mean:.1f}" if ml.n else "-", str(s.spikes),
                          f"{s.diverged - s.not_learned}/{s.n}", f"{s.not_learned}/{s.n}", f"{s.failed}/{s.n}"])
@@ -213,7 +213,8 @@ def stable_rates_table(groups: list[Group], studies: dict[str, dict]) -> Table:
         def rate(m, g=g):
             return f"{g.sweep[m].lr:.3g} (x{m:g})" if m is not None else "none"
         own = best_select(g)
-        rows.append([variant_name(g), g.attention, g.study, f"{d:g}", f"{own:.3f}" if math.isfinite(own) else "-",
+        rows.append([variant_name(g, study=False), g.attention, g.study, f"{d:g}",
+                     f"{own:.3f}" if math.isfinite(own) else "-",
                      rate(g.highest_stable), rate(highest_within(g, d)),
                      rate(highest_within(g, d, b)) if b is not None else "none"])
     return head, rows
@@ -224,7 +225,7 @@ def grid_table(groups: list[Group]) -> Table:
     selection-split loss over every finished seed (mean ± std) / mean final max logit, and how many seeds
     diverged or did not learn. Give it one study's groups: a column per variant and grid point."""
     lrs = sorted({round(s.lr, 12) for g in groups for s in g.sweep.values() if math.isfinite(s.lr)})
-    head = ["lr", *map(variant_name, groups)]
+    head = ["lr", *(variant_name(g, study=False) for g in groups)]
     rows = []
     for lr in lrs:
         row = [f"{lr:.3g}"]
@@ -251,7 +252,7 @@ def throughput_table(groups: list[Group]) -> Table:
         t = g.stats["tokens_per_s"].mean
         r = ref.get((g.study, g.point, g.attention))
         cpu = g.stats["cpu_seconds"].mean
-        rows.append([g.variant, g.attention, f"{t:,.0f}" if math.isfinite(t) else "-",
+        rows.append([variant_name(g), g.attention, f"{t:,.0f}" if math.isfinite(t) else "-",
                      f"{t / r:.2f}x" if r and math.isfinite(t) and math.isfinite(r) else "-",
                      f"{cpu:,.0f}" if math.isfinite(cpu) else "-"])
     return head, rows
