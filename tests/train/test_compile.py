@@ -80,3 +80,16 @@ def test_a_compiled_run_keeps_its_cache_per_cpu_capability(tmp_path, monkeypatch
     Trainer(cfg, log=lambda s: None).close()
     here = torch.backends.cpu.get_cpu_capability().lower()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / here)
+
+
+def test_a_compiled_cpu_run_without_a_cpp_compiler_is_one_line_before_it_starts(tmp_path):
+    """torch.compile on the CPU builds C++: with no compiler the run stopped at its first step as 'internal
+    error (a bug in qklab)'. Now one line, exit 2, and no run folder left behind."""
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-g++"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ic")}
+    argv = ["train", "--config", "tiny", "--set", "train.compile=true", "--set", f"train.out_dir='{tmp_path / 'runs'}'",
+            "--set", f"data.cache_dir='{tmp_path / 'data'}'", "--set", "train.device=cpu"]
+    r = subprocess.run([sys.executable, "-m", "qklab", *argv], env=env, capture_output=True, text=True, timeout=300)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("qklab: error: train.compile=true on the CPU needs a C++ compiler"), lines[0]
+    assert "no-such-g++" in lines[0] and not (tmp_path / "runs" / "tiny-none-s0").exists()

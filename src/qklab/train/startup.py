@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from qklab.config import ConfigError, RunConfig, check_run_name, comparable, resume_changes
+from qklab.errors import UserError
 
 
 def inductor_cache_per_cpu_capability() -> None:
@@ -26,6 +27,21 @@ def inductor_cache_per_cpu_capability() -> None:
     base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
     if os.path.basename(os.path.normpath(base)) != capability:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, capability)
+
+
+def check_cpu_compiler() -> None:
+    """torch.compile on the CPU writes C++ and builds it: without a C++ compiler the first step fails deep
+    inside torch. Say so in one line before the run starts (data prepared, folder made)."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        from torch._inductor.exc import InvalidCxxCompiler
+    except ImportError:  # another torch's layout: the compile itself will tell
+        return
+    try:
+        get_cpp_compiler()
+    except InvalidCxxCompiler as e:
+        raise UserError(f"train.compile=true on the CPU needs a C++ compiler and torch finds none ({e}): install "
+                        "one (g++ or clang++; CXX names it) or leave train.compile false") from None
 
 
 def versions() -> dict[str, str]:

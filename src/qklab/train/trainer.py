@@ -35,7 +35,14 @@ from qklab.train.optim import build_optimizer, schedule_factor, set_lr
 from qklab.train.progress import Progress
 from qklab.train.resume import restore_run_state, resume_point, run_state, seed_everything
 from qklab.train.signals import RunInterrupted, StopSignals
-from qklab.train.startup import inductor_cache_per_cpu_capability, machines, pick_device, run_name, versions
+from qklab.train.startup import (
+    check_cpu_compiler,
+    inductor_cache_per_cpu_capability,
+    machines,
+    pick_device,
+    run_name,
+    versions,
+)
 from qklab.train.trackers import build_trackers
 from qklab.version import git_sha
 
@@ -95,6 +102,8 @@ class Trainer:
         if t.threads:
             torch.set_num_threads(t.threads)
         self.device = self.dist.device(pick_device(t.device))
+        if t.compile and self.device.type == "cpu":
+            check_cpu_compiler()
         if self.device.type == "cpu":
             # subnormal floats (< 1.2e-38) as zero: once the logits blow up, softmax gradients underflow into
             # that range, and a CPU sgemm on subnormal inputs runs ~100x slower (benchmarks/denormal.py)
