@@ -68,3 +68,13 @@ def test_version_answers_without_importing_torch():
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["--version"])
     assert e.value.code == 0
+
+
+def test_a_bare_qklab_prints_what_it_can_do(capsys):
+    """`qklab` alone printed 'error: the following arguments are required: cmd'; it now prints the help, the
+    same text as `qklab --help`, and exits 0."""
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out == build_parser().format_help()
+    for cmd in ("train", "config", "demo", "study", "report", "sweep", "probe", "export"):
+        assert f"\n    {cmd} " in out, cmd

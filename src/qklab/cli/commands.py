@@ -301,7 +301,11 @@ def _out_of_memory(e: BaseException) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # a bare `qklab`: what it can do, not an error
+        parser.print_help()
+        return 0
+    args = parser.parse_args(argv)
     try:
         with TermRaises():  # SIGTERM outside the training loop: one line too
             return args.fn(args)
