@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 from qklab.cli import main
 from qklab.study.result import read_result, write_json_atomic
 from tests.study.synthetic import result
@@ -112,3 +115,22 @@ def test_status_estimates_the_time_left_from_the_cells_finished():
     assert time_left(3600.0, 20.0, 20.0, 2) == "; 1.0 h of cells so far, about 0.5 h left at that pace (2 at a time)"
     assert time_left(3600.0, 20.0, 60.0, 1) == "; 1.0 h of cells so far, about 3.0 h left at that pace (1 at a time)"
     assert time_left(0.0, 0.0, 20.0, 2) == "" and time_left(3600.0, 20.0, 0.0, 2) == ""
+
+
+def test_status_estimates_the_time_left_for_the_workers_given(tmp_path, capsys):
+    """`study status --workers N` estimates the time left for N cells at a time (it used to read the study
+    file's count alone, so a study run with more workers than its file names showed too long a time).
+    Two committed cells of qkmap_cpu, the rest to run."""
+    src = Path(__file__).resolve().parents[2] / "docs" / "results" / "qkmap_cpu"
+    for cell in sorted(p.parent.name for p in src.glob("*/result.json"))[:2]:
+        shutil.copytree(src / cell, tmp_path / "res" / cell)
+
+    def hours(*extra: str) -> tuple[float, str]:
+        assert main(["study", "status", "studies/qkmap_cpu.toml", "--results", str(tmp_path / "res"),
+                     "--out", str(tmp_path / "out"), *extra]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("qkmap_cpu: 2/"))
+        return float(line.split("about ")[1].split(" h left")[0]), line
+
+    one, two, four = hours("--workers", "1"), hours(), hours("--workers", "4")  # the file: workers = 2
+    assert "(1 at a time)" in one[1] and "(2 at a time)" in two[1] and "(4 at a time)" in four[1]
+    assert one[0] > 0.5 and abs(two[0] - one[0] / 2) <= 0.051 and abs(four[0] - one[0] / 4) <= 0.051, (one, four)

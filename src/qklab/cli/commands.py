@@ -200,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "registered [claims] and design (seeds, grid, variants) of a study that has results by the file's, "
                     "in the open (--why)")
     st.add_argument("file", help="study file, e.g. studies/demo.toml (verify: a results folder, e.g. docs/results/x)")
-    st.add_argument("--workers", type=WORKERS, default=None, help="cells in parallel (default: the study's, else 1)")
+    st.add_argument("--workers", type=WORKERS, default=None,
+                    help="cells in parallel (default: the study's, else 1; status: for its time estimate)")
     st.add_argument("--threads", type=THREADS, default=None,
                     help="CPU threads per cell (default: the cores / --workers; set it when studies share a machine)")
     st.add_argument("--out", default=None, help="folder for run folders and logs (default: runs/studies/<name>)")

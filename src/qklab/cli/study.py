@@ -98,7 +98,7 @@ def time_left(spent: float, cost_done: float, cost_left: float, workers: int) ->
             f"({workers} at a time)")
 
 
-def _status(study: Study, results: Path, out: Path) -> int:
+def _status(study: Study, results: Path, out: Path, workers: int) -> int:
     from qklab.cli.cluster import slurm_view
 
     index = reuse_index(study.protocol.reuse, warn)
@@ -124,7 +124,7 @@ def _status(study: Study, results: Path, out: Path) -> int:
             pace[2] += expected_cost(c)
         print(f"{c.id:<40} {status:<6} {detail}")
     print(f"{study.name}: {done}/{len(study.cells)} cells done" + (f", {n_reuse} to reuse" if n_reuse else "")
-          + f"; results in {results}" + time_left(*pace, max(study.workers, 1)))
+          + f"; results in {results}" + time_left(*pace, max(workers, 1)))
     print(plan_status(study, results))
     return 0
 
@@ -196,7 +196,7 @@ def study_command(args: argparse.Namespace) -> int:
     out = folder(args.out or Path("runs") / "studies" / study.name, "--out")
     results = folder(args.results, "--results") if args.results else folder(out / "results", "--out")
     if args.action == "status":
-        return _status(study, results, out)
+        return _status(study, results, out, workers_for(study, args.workers))
     if args.action == "amend":
         return _amend(study, results, getattr(args, "why", None))
     from qklab.cli import cluster
