@@ -3,6 +3,7 @@ package versions it records."""
 
 from __future__ import annotations
 
+import os
 import platform
 from typing import Any
 
@@ -19,8 +20,6 @@ def inductor_cache_per_cpu_capability() -> None:
     ATEN_CPU_CAPABILITY picks, while the C++ it stores is written for one vector width: a graph compiled
     under AVX-512 and loaded under AVX2 gives wrong values (or NaN), and the other way round can corrupt
     the heap. A folder that already names the capability is kept as it is."""
-    import os
-
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     capability = torch.backends.cpu.get_cpu_capability().lower()

@@ -164,10 +164,10 @@ class Trainer:
     def wrap(self) -> None:
         """What the train step calls: the model or its DDP wrapper, compiled or not (a collective: every rank
         calls it once the build agreed)."""
-        wrapped = self.parallel.wrap()
+        self.fwd = self.parallel.wrap()
         if self.cfg.train.compile:
             inductor_cache_per_cpu_capability()
-        self.fwd = torch.compile(wrapped) if self.cfg.train.compile else wrapped
+            self.fwd = torch.compile(self.fwd)
 
     # ------------------------------------------------------------------------------------------------
     def autocast(self):
