@@ -78,3 +78,15 @@ def test_a_bare_qklab_prints_what_it_can_do(capsys):
     assert out == build_parser().format_help()
     for cmd in ("train", "config", "demo", "study", "report", "sweep", "probe", "export"):
         assert f"\n    {cmd} " in out, cmd
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["config"], ["study", "status", "demo"]])
+def test_a_closed_pipe_stops_quietly(argv):
+    """`qklab ... | head`: the reader closes the pipe before qklab writes. qklab stops with 141 (128 + SIGPIPE),
+    as a pipe's writer does, and says nothing: not `qklab: error: Broken pipe` (exit 2) while printing, nor
+    a traceback or Python's `Exception ignored ... BrokenPipeError` at exit. `--version` is answered before
+    the parser is built, the others after."""
+    p = subprocess.Popen([sys.executable, "-m", "qklab", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # before qklab's imports are done: its first write finds no reader
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and err == "", err

@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 
@@ -19,11 +21,20 @@ def main(argv: list[str] | None = None) -> int:
     if list(args) == ["--version"]:
         from qklab.version import version_line
 
-        print(version_line())
+        try:
+            print(version_line(), flush=True)
+        except BrokenPipeError:
+            return closed_pipe()
         return 0
     from qklab.cli.commands import main as run
 
     return run(argv)
+
+
+def closed_pipe() -> int:
+    """The reader of stdout left (`qklab ... | head`): stop quietly, as a pipe's writer does (141)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+    return 128 + signal.SIGPIPE
 
 
 def build_parser() -> argparse.ArgumentParser:

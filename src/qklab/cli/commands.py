@@ -3,13 +3,15 @@
 User mistakes print one line (``qklab: error: ...``) and exit with code 2, without a traceback: bad
 options and config values, missing or unwritable files (any OSError), damaged input. A run stopped by
 SIGTERM/SIGINT exits with 128 + the signal number after its checkpoint, a non-finite stop (or too many
-skipped steps) with 1. Anything else is a bug: its traceback is printed with the run's log path, exit 1.
+skipped steps) with 1. Output into a pipe its reader closed (``qklab ... | head``) stops quietly with 141
+(128 + SIGPIPE), as other commands do. Anything else is a bug: its traceback is printed with the run's log path, exit 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -47,8 +49,6 @@ def _config(args: argparse.Namespace) -> int:
 
 def _stopped_study(e: RunInterrupted) -> int:
     """A study command stopped by a signal outside its pool (reading, preparing data): nothing was running."""
-    import signal
-
     name = signal.Signals(e.exit_code - 128).name
     print(f"qklab: study stopped by {name} before any cell started; run the same command to continue", file=sys.stderr)
     return e.exit_code
@@ -309,7 +309,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         with TermRaises():  # SIGTERM outside the training loop: one line too
-            return args.fn(args)
+            code = args.fn(args)
+            sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+            return code
+    except BrokenPipeError:  # the reader left (`qklab ... | head`)
+        from qklab.cli import closed_pipe
+
+        return closed_pipe()
     except UserError as e:
         print(f"qklab: error: {_one_line(e)}", file=sys.stderr)
         return 2
