@@ -134,3 +134,34 @@ def test_status_estimates_the_time_left_for_the_workers_given(tmp_path, capsys):
     one, two, four = hours("--workers", "1"), hours(), hours("--workers", "4")  # the file: workers = 2
     assert "(1 at a time)" in one[1] and "(2 at a time)" in two[1] and "(4 at a time)" in four[1]
     assert one[0] > 0.5 and abs(two[0] - one[0] / 2) <= 0.051 and abs(four[0] - one[0] / 4) <= 0.051, (one, four)
+
+
+def test_status_summary_counts_each_group_as_the_listing_does(tmp_path, capsys):
+    """`study status --summary`: one row per variant and grid point, its cells counted by status; the same
+    counts as the per-cell listing, and the same closing lines. scale_english (20 groups of 18 cells) with
+    three committed cells of one group copied in, the rest to reuse from ladder_english or to run."""
+    src = Path(__file__).resolve().parents[2] / "docs" / "results" / "scale_english"
+    copied = ["none_shape64-1-0.125-0.006_lr1_s0", "none_shape64-1-0.125-0.006_lr2_s0",
+              "none_shape64-1-0.125-0.006_lr4_s0"]
+    for cell in copied:
+        shutil.copytree(src / cell, tmp_path / "res" / cell)
+    argv = ["study", "status", "studies/scale_english.toml", "--results", str(tmp_path / "res"),
+            "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    listing = capsys.readouterr().out.splitlines()
+    assert main([*argv, "--summary"]) == 0
+    summary = capsys.readouterr().out.splitlines()
+    assert summary[-2:] == listing[-2:]
+    expected: dict[str, dict[str, int]] = {}  # from the listing: cell id -> its group, and its status
+    for line in listing[:-2]:
+        cell, status = line.split()[:2]
+        group = cell.rsplit("_lr", 1)[0]
+        expected.setdefault(group, {}).setdefault(status, 0)
+        expected[group][status] += 1
+    head, rows = summary[0].split(), summary[1:-2]
+    assert head[:2] == ["group", "cells"] and head[2] == "done" and len(rows) == len(expected) == 20
+    for row in rows:
+        group, cells, *counts = row.split()
+        got = {s: int(n) for s, n in zip(head[2:], counts, strict=True) if int(n)}
+        assert got == expected[group] and int(cells) == sum(got.values()) == 18, row
+    assert expected["none_shape64-1-0.125-0.006"]["done"] == 3

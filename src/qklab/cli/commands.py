@@ -227,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--same-machine", action="store_true",
                     help="verify: draw only among cells trained on this kind of machine (CPU model, kernels, GPU), "
                     "where bit for bit is expected")
+    st.add_argument("--summary", action="store_true",
+                    help="status: one line per variant and grid point (its cells by status), not one per cell")
     st.add_argument("--why", default=None,
                     help="amend: why the registered claims or design change (kept in study.json)")
     st.add_argument("--allow-dirty", action="store_true",

@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from collections import Counter
 from pathlib import Path
 
 from qklab.config import ConfigError, packaged, resolve_named_file
 from qklab.study.result import cell_outcome
 from qklab.study.runner import cell_status, expected_cost, reusable, reuse_index, run_study
-from qklab.study.spec import Study, load_study
+from qklab.study.spec import Study, group_id, load_study
 from qklab.study.workers import Outcome
 from qklab.version import allow_dirty_env
 
@@ -98,7 +99,7 @@ def time_left(spent: float, cost_done: float, cost_left: float, workers: int) ->
             f"({workers} at a time)")
 
 
-def _status(study: Study, results: Path, out: Path, workers: int) -> int:
+def _status(study: Study, results: Path, out: Path, workers: int, summary: bool = False) -> int:
     from qklab.cli.cluster import slurm_view
 
     index = reuse_index(study.protocol.reuse, warn)
@@ -107,6 +108,7 @@ def _status(study: Study, results: Path, out: Path, workers: int) -> int:
     slurm = slurm_view(study, out)  # a study submitted to Slurm: its live tasks too
     if slurm is not None and slurm.problem:
         warn(f"warning: the Slurm state is unknown ({slurm.problem}); showing the results folder alone")
+    groups: dict[str, Counter] = {}  # --summary: each variant and grid point, its cells by status
     for c in study.cells:
         status, res = cell_status(c, results, warn)
         detail = (res or {}).get("status", "") if status != "done" else str(cell_outcome(res))
@@ -122,11 +124,25 @@ def _status(study: Study, results: Path, out: Path, workers: int) -> int:
             pace[0], pace[1] = pace[0] + seconds, pace[1] + expected_cost(c)
         elif status not in ("done", "reuse"):
             pace[2] += expected_cost(c)
-        print(f"{c.id:<40} {status:<6} {detail}")
+        if summary:
+            groups.setdefault(group_id(c.variant, c.point), Counter())[status] += 1
+        else:
+            print(f"{c.id:<40} {status:<6} {detail}")
+    if summary:
+        print_counts(groups)
     print(f"{study.name}: {done}/{len(study.cells)} cells done" + (f", {n_reuse} to reuse" if n_reuse else "")
           + f"; results in {results}" + time_left(*pace, max(workers, 1)))
     print(plan_status(study, results))
     return 0
+
+
+def print_counts(groups: dict[str, Counter]) -> None:
+    """One row per group (variant and grid point): its cells, then how many are in each status, done first."""
+    states = sorted({s for n in groups.values() for s in n}, key=lambda s: (s != "done", s))
+    width = max(len("group"), *(len(g) for g in groups))
+    print(f"{'group':<{width}} {'cells':>5} " + " ".join(f"{s:>7}" for s in states))
+    for g, n in groups.items():
+        print(f"{g:<{width}} {n.total():>5} " + " ".join(f"{n[s]:>7}" for s in states))
 
 
 def plan_status(study: Study, results: Path) -> str:
@@ -196,7 +212,7 @@ def study_command(args: argparse.Namespace) -> int:
     out = folder(args.out or Path("runs") / "studies" / study.name, "--out")
     results = folder(args.results, "--results") if args.results else folder(out / "results", "--out")
     if args.action == "status":
-        return _status(study, results, out, workers_for(study, args.workers))
+        return _status(study, results, out, workers_for(study, args.workers), getattr(args, "summary", False))
     if args.action == "amend":
         return _amend(study, results, getattr(args, "why", None))
     from qklab.cli import cluster

@@ -129,6 +129,11 @@ def _section(cls: type, raw: Any, where: str) -> Any:
     return from_table(cls, raw, where)
 
 
+
+def group_id(variant: str, point: tuple[tuple[str, Any], ...]) -> str:
+    """The cells of one variant at one grid point, as their ids begin: 'qkmap', 'qkmap_d_model128'."""
+    return "_".join([variant, *(f"{k.rsplit('.', 1)[-1]}{_label(v)}" for k, v in point)])
+
 @dataclass(frozen=True)
 class Cell:
     """One training run of a study. Pickled to the worker process that trains it."""
@@ -311,8 +316,7 @@ def expand(study: Study) -> list[Cell]:
                 rate = getattr(getattr(base, lr_sec, None), lr_field, None)
                 _need(isinstance(rate, float), "[protocol] lr_key", f"'{p.lr_key}' is not a float config key")
                 for mult in p.mults(label):
-                    cid = "_".join([label, *(f"{k.rsplit('.', 1)[-1]}{_label(v)}" for k, v in point),
-                                    f"lr{mult:g}", f"s{seed}"])
+                    cid = f"{group_id(label, point)}_lr{mult:g}_s{seed}"
                     cfg = copy.deepcopy(base)
                     setattr(getattr(cfg, lr_sec), lr_field, rate * mult)
                     cfg.train.seed, cfg.train.data_seed = seed, batch_order_seed(p, seed)
