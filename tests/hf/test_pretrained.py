@@ -158,3 +158,27 @@ def test_a_second_method_is_refused_and_a_later_gate_recorded(tmp_path):
     back = qk_from_pretrained(tmp_path / "m")
     assert back.model.layers[1].self_attn.attn_sink is not None
     assert type(back.model.layers[1].self_attn.qk_method).__name__ == "QKNorm"
+
+
+def test_apply_leaves_a_config_shared_with_other_models_as_it_was(tmp_path):
+    """transformers' from_config keeps the config object it is given: apply must convert only its own model,
+    not a sibling built from the same config, nor a later model built from it."""
+    from tests.hf.common import tiny_config
+
+    cfg = tiny_config("llama")
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    treated = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        ref = base(X).logits  # (B, T, V) before anything is applied
+    apply(treated, "qknorm")
+    assert type(cfg) is transformers.LlamaConfig and not hasattr(cfg, "qklab")
+    assert cfg._attn_implementation == "eager" and base.config is cfg
+    base.save_pretrained(tmp_path / "base")
+    assert "qklab" not in json.loads((tmp_path / "base" / "config.json").read_text())
+    back = qk_from_pretrained(tmp_path / "base", attn_implementation="eager").eval()
+    later = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert type(back) is type(later) is transformers.LlamaForCausalLM
+    with torch.no_grad():
+        torch.testing.assert_close(base(X).logits, ref, atol=0, rtol=0)
+        torch.testing.assert_close(back(X).logits, ref, atol=0, rtol=0)

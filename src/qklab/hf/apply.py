@@ -38,6 +38,7 @@ per-head keys and values instead of DeepSeek's compressed latent.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 
@@ -103,6 +104,17 @@ def adopt_twin(model: nn.Module) -> None:
     if family in CLASSES and type(model) is not twin_model(family):
         model.config.__class__ = twin_config(family)
         model.__class__ = twin_model(family)
+
+
+def own_config(model: nn.Module) -> None:
+    """Give the model (and every module of it that holds its config) a config of its own: transformers'
+    ``from_config`` keeps the object it is given, which may be another model's too, and what ``apply``
+    records (the method, the twin class, the attention implementation) belongs to this model alone."""
+    old = model.config
+    new = copy.deepcopy(old)
+    for m in model.modules():
+        if getattr(m, "config", None) is old:
+            m.config = new
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -185,6 +197,8 @@ def apply(model: nn.Module, method: str = "none", *, attn_gate: str = "none", at
     if before and before["method"] != "none" and method != "none":
         raise ConfigError(f"this model already has qklab's {before['method']} (model.config.{RECORD}); qklab.hf.apply "
                           "converts a model once: start from a model without a method to try another")
+    if method != "none" or attn_gate != "none" or attn_sink:
+        own_config(model)
     convert(model, method, opts, attn_gate, attn_sink)
     if method != "none" or attn_gate != "none" or attn_sink:
         before = before or {"method": "none", "options": {}, "attn_gate": "none", "attn_sink": False}
