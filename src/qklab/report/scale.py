@@ -176,7 +176,7 @@ def control_lines(rows: list[ClaimRow]) -> list[str]:
     ctl = [r for r in rows if r.id in CONTROL and r.status == "confirmatory"]
     if not ctl:
         return []
-    lines = ["## Positive control", "",
+    lines = ["### Positive control", "",
              "Before any other claim: does this study see what is already known (Wortsman et al. 2023)? "
              "Registered before its first cell; verdicts by the claims table's rule.", ""]
     lines += [f"- {r.claim}: **{r.verdict}** ({r.measured}; {r.reason})" for r in ctl]

@@ -137,7 +137,9 @@ def title(r: Report) -> list[str]:
 
 def opening(r: Report) -> list[str]:
     """The answer first: what each variant reached, and the registered questions' answers."""
-    md = ["## What these results say", "", *control_lines(r.claim_rows), *summary_lines(r.groups, r.cells), ""]
+    control = control_lines(r.claim_rows)  # first, under a heading of its own, when the study registered one
+    md = ["## What these results say", "", *control,
+          *(["### Each variant at its chosen rate", ""] if control else []), *summary_lines(r.groups, r.cells), ""]
     if any(c.status == "confirmatory" for c in r.claim_rows):
         return md + ["### Registered questions", "", *answers(r.claim_rows, r.cells), ""]
     return md + ["No question of these results was registered: every claim in the [claims table](#claims) is "
