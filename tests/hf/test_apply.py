@@ -273,3 +273,31 @@ def test_attention_function_without_a_mask_is_causal():
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
     full, _ = qklab_attention(mod, q, k, v, torch.zeros(1, 1, 6, 6), scaling=0.25)
     assert (full - ref).abs().max() > 1e-2  # a causal mask matters here
+
+
+@pytest.mark.parametrize("build", [lambda: tiny_model("llama"), _deepseek], ids=["llama", "deepseek_v3"])
+def test_softcap_is_never_dropped_by_another_attention_implementation(build):
+    """softcap rewrites the logits, which transformers' SDPA cannot: switched to it, the model refuses in one
+    line instead of computing uncapped attention; eager and qklab give the capped logits."""
+    model = apply(build(), "softcap", cap=0.5)
+    with torch.no_grad():
+        for m in model.modules():  # large logits, so that the cap bites
+            for name in ("q_proj", "q_b_proj", "kv_b_proj"):
+                if isinstance(getattr(m, name, None), torch.nn.Linear):
+                    getattr(m, name).weight.mul_(4.0)
+    x = torch.randint(3, 101, (2, 9))
+    with torch.no_grad():
+        capped = model(x).logits  # "qklab"
+        model.set_attn_implementation("sdpa")
+        with pytest.raises(ConfigError, match="method softcap, which rewrites the logits, which only the 'qklab'"):
+            model(x)
+        for m in model.modules():  # what SDPA would have computed: the same model without the cap
+            if hasattr(m, "qk_method"):
+                m.qk_method.modifies_logits = False
+        uncapped = model(x).logits
+        assert (uncapped - capped).abs().max() > 1e-2
+        for m in model.modules():
+            if hasattr(m, "qk_method"):
+                del m.qk_method.modifies_logits
+        model.set_attn_implementation("eager")
+        torch.testing.assert_close(model(x).logits, capped, atol=0, rtol=0)

@@ -206,14 +206,30 @@ class AttnSwitch:
         self.on = False
 
 
+def attention_function(module: nn.Module):
+    """The attention function of a converted layer's implementation (``config._attn_implementation``; "eager"
+    and "qklab" give ``qklab_attention``). Another one (SDPA, flash) would drop what only qklab's computes: a
+    method's logit rewrite (softcap) or the layer's sinks; refused in one line."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    impl = module.config._attn_implementation
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(impl, qklab_attention)
+    if attend is not qklab_attention:
+        needs = [what for what, has in (
+            (f"method {module.qk_method.name}, which rewrites the logits", module.qk_method.modifies_logits),
+            ("attention sinks", getattr(module, "attn_sink", None) is not None)) if has]
+        if needs:
+            raise ConfigError(f"layer {module.layer_idx} has {' and '.join(needs)}, which only the 'qklab' attention "
+                              f"computes; attn_implementation is '{impl}': use model.set_attn_implementation('qklab')")
+    return attend
+
+
 class QKAttentionMixin:
     """Forward of a Llama/Mistral/Qwen2/Qwen3 attention layer with a qklab ``QKMethod`` (``self.qk_method``).
     Family q/k norms (Qwen3's ``q_norm``/``k_norm``) run first when the layer still has them."""
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None = None, cache=None, past_key_values=None, **kwargs):
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
         cache = cache if cache is not None else past_key_values
         B, T, _ = hidden_states.shape  # (B, T, C)
         m = self.qk_method
@@ -227,10 +243,7 @@ class QKAttentionMixin:
         q, k = m.map_qk(q.transpose(1, 2), k.transpose(1, 2), rope, 0)  # (B, H|Hkv, T, F)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, qklab_attention)
-        if attend is not qklab_attention and getattr(self, "attn_sink", None) is not None:
-            raise ConfigError(f"layer {self.layer_idx} has attention sinks, which only the 'qklab' attention "
-                              f"computes; attn_implementation is '{self.config._attn_implementation}'")
+        attend = attention_function(self)
         out, w = attend(self, q, k, v, attention_mask, scaling=m.scale(q.shape[-1]),
                         dropout=self.attention_dropout if self.training else 0.0,
                         sliding_window=getattr(self, "sliding_window", None), **kwargs)  # (B, T, H, Dv)
@@ -273,8 +286,6 @@ class QKDeepSeekMixin:
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
                 past_key_values=None, **kwargs):
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
         cache = cache if cache is not None else past_key_values
         B, T, _ = hidden_states.shape  # (B, T, C)
         n, r, R, dv = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank, self.v_head_dim
@@ -291,7 +302,7 @@ class QKDeepSeekMixin:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
         F_ = q.shape[-1]
         scaling = self.scaling * m.scale(F_) * F_**0.5  # DeepSeek's scale (YaRN mscale included) x the method's
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, qklab_attention)
+        attend = attention_function(self)
         out, w = attend(self, q, k, v, attention_mask, scaling=scaling,
                         dropout=self.attention_dropout if self.training else 0.0, **kwargs)
         return self.o_proj(out.reshape(B, T, -1)), w
