@@ -301,3 +301,22 @@ def test_softcap_is_never_dropped_by_another_attention_implementation(build):
                 del m.qk_method.modifies_logits
         model.set_attn_implementation("eager")
         torch.testing.assert_close(model(x).logits, capped, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("build, method, opts, says", [
+    (lambda: tiny_model("llama"), "qkmap", {"n_freqs": 3}, "divisible by 2\\*n_freqs=6"),
+    (lambda: tiny_model("llama"), "qknorm", {"k_group": 3}, "k_group=3 must divide the 2 key heads"),
+    (_deepseek, "qknorm", {"k_parts": True, "k_group": 3}, "k_group=3 must divide")])
+def test_a_shape_the_method_cannot_take_is_a_user_error(build, method, opts, says):
+    """What a method refuses for the model's shapes is the user's to fix: a UserError (one line, exit 2), as
+    qklab.QK gives for the same shapes; the model is left as it was."""
+    from qklab.errors import UserError
+
+    model = build()
+    x = torch.randint(3, 101, (1, 7))
+    with torch.no_grad():
+        before = model(x).logits
+    with pytest.raises(UserError, match=says):
+        apply(model, method, **opts)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, before, atol=0, rtol=0)

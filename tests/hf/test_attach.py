@@ -15,7 +15,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 import qklab  # noqa: E402
-from qklab.errors import ConfigError  # noqa: E402
+from qklab.errors import ConfigError, UserError  # noqa: E402
 from qklab.hf import Attached  # noqa: E402
 from qklab.hf.layers import LayerSpec, find_layers  # noqa: E402
 from tests.hf.common import HKV, H, assert_same, snapshot, tiny_model  # noqa: E402
@@ -369,7 +369,7 @@ def test_refused_controller_leaves_the_model_as_it_was():
     model.set_attn_implementation("sdpa")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = snapshot(model, [opt])
-    with pytest.raises(ValueError, match="(?i)qk-norm|qknorm"):
+    with pytest.raises(UserError, match="(?i)qk-norm|qknorm"):  # the user's to fix: one line, exit 2
         qklab.attach(model, opt, "qkclip", tau_clip=1.0)
     assert_same(snapshot(model, [opt]), before)
     qklab.attach(model, opt, "quack").remove()  # not left live

@@ -52,6 +52,7 @@ from qklab.hf.attention import QKAttentionMixin, QKDeepSeekMixin, use_qklab_atte
 from qklab.methods import METHODS, AttnShape, QKMethod
 from qklab.methods.base import NoOptions
 from qklab.methods.build import method_options  # noqa: F401 -- qklab.hf.apply.method_options, as before
+from qklab.model.qk import build_method
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 GATES = ("none", "head", "element")  # qklab's model.attn_gate
@@ -242,7 +243,7 @@ def convert(model: nn.Module, method: str, opts: object, attn_gate: str = "none"
         H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, mod.head_dim
         shape = AttnShape(cfg.hidden_size, H, Hkv, D, mod.layer_idx, len(mods))
         if method != "none":
-            _convert(mod, METHODS[method](shape, opts), method, H, Hkv, D, init_std)
+            _convert(mod, build_method(method, shape, opts), method, H, Hkv, D, init_std)
         elif getattr(mod, "qk_method", None) is None:  # standard attention; the family's q/k norms stay
             qm = METHODS["none"](shape, NoOptions())
             mod.qk_method = qm.to(device=mod.q_proj.weight.device, dtype=mod.q_proj.weight.dtype)
@@ -277,7 +278,7 @@ def _apply_deepseek(model: nn.Module, method: str, opts: object) -> None:
     for mod in mods:
         F = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         H = cfg.num_attention_heads
-        qm: QKMethod = METHODS[method](AttnShape(cfg.hidden_size, H, H, F, mod.layer_idx, len(mods)), opts)
+        qm = build_method(method, AttnShape(cfg.hidden_size, H, H, F, mod.layer_idx, len(mods)), opts)
         if qm.proj_dim() != F or qm.qk_in_dim() != cfg.hidden_size:
             raise ConfigError(f"{method} changes the q/k projection widths, which MLA (DeepSeek) does not allow")
         qm.reset_parameters()

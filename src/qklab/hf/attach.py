@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qklab.errors import ConfigError
+from qklab.errors import ConfigError, UserError
 from qklab.hf.apply import method_options
 from qklab.hf.attention import AttnSwitch
 from qklab.hf.layers import LayerSpec, QKLayer, find_layers, spec_layer
@@ -49,8 +49,10 @@ class Attached:
         try:
             self.set_tracking(track)
             self.controller = CONTROLLERS[controller](self, optimizer, opts)
-        except Exception:
+        except Exception as e:
             self.remove()  # e.g. QK-clip refused on a QK-Norm model: leave the model as it was
+            if isinstance(e, ValueError) and not isinstance(e, UserError):  # a controller's refusal: one line
+                raise ConfigError(str(e)) from None
             raise
         if hooks:  # torch's own extension points: the user's loop stays as it is
             self.run_around(optimizer)

@@ -44,6 +44,15 @@ def _positions(positions, T: int, device) -> torch.Tensor:
     return positions.to(device)
 
 
+def build_method(method: str, shape: AttnShape, opts: object) -> QKMethod:
+    """The method's module for one layer of ``shape``; a shape it cannot take (QK-MAP's widths, QK-Norm's
+    k_group) is the user's to fix: one line (``ConfigError``)."""
+    try:
+        return METHODS[method](shape, opts)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 @torch.no_grad()
 def masked_max(q: torch.Tensor, k: torch.Tensor, scale: float, rewrite, causal: bool,
                segments: torch.Tensor | None, chunk: int = 64) -> torch.Tensor:
@@ -86,11 +95,7 @@ class QK(nn.Module):
             raise ConfigError(f"n_heads={n_heads}, n_kv_heads={n_kv}, head_dim={head_dim}: need positive sizes and "
                               "n_kv_heads dividing n_heads")
         shape = AttnShape(d_model or n_heads * head_dim, n_heads, n_kv, head_dim, layer_idx, n_layers)
-        opts = method_options(method, options)
-        try:
-            self.method: QKMethod = METHODS[method](shape, opts)
-        except ValueError as e:  # a shape the method cannot take (QK-MAP's widths): one line
-            raise ConfigError(str(e)) from None
+        self.method: QKMethod = build_method(method, shape, method_options(method, options))
         self.causal = causal
         self.own_rope = rope if isinstance(rope, Rope) else None  # qklab's Rope: called with a position offset
         self.rope = UserRope(rope, convention, layout) if rope is not None and self.own_rope is None else None
