@@ -373,3 +373,46 @@ def test_refused_controller_leaves_the_model_as_it_was():
         qklab.attach(model, opt, "qkclip", tau_clip=1.0)
     assert_same(snapshot(model, [opt]), before)
     qklab.attach(model, opt, "quack").remove()  # not left live
+
+
+def _gemma2():
+    import transformers
+
+    cfg = transformers.Gemma2Config(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                    attn_logit_softcapping=1.0, final_logit_softcapping=None, pad_token_id=0,
+                                    eos_token_id=1, bos_token_id=2, attn_implementation="eager")
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def _gpt_oss():
+    import transformers
+
+    cfg = transformers.GptOssConfig(vocab_size=101, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                    num_experts_per_tok=2, sliding_window=4, pad_token_id=0, eos_token_id=1,
+                                    bos_token_id=2, layer_types=["sliding_attention", "full_attention"],
+                                    attn_implementation="eager")
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+@pytest.mark.parametrize("build", [_gemma2, _gpt_oss], ids=["gemma2-softcap", "gpt_oss-sinks"])
+def test_measuring_keeps_a_familys_own_logit_cap_and_sinks(build):
+    """Layers found by name in other families run on qklab's attention function while it measures: Gemma 2's
+    logit cap and gpt-oss's sinks are computed there as the family's own eager attention computes them."""
+    torch.manual_seed(0)
+    model = build().train()  # dropout 0: training forwards are deterministic
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "q_proj"):  # logits large enough for the cap to bite
+                m.q_proj.weight.mul_(30.0)
+            if hasattr(m, "sinks"):
+                m.sinks.uniform_(-1.0, 3.0)
+    x = _ids(2, 10)
+    with torch.no_grad():
+        own = model(x).logits  # transformers' eager attention of the family
+    handle = qklab.attach(model, torch.optim.SGD(model.parameters(), lr=0.0), "quack", track=True)
+    with torch.no_grad():
+        measured = model(x).logits  # qklab's attention function, measuring
+    handle.remove()
+    torch.testing.assert_close(measured, own, atol=1e-5, rtol=1e-5)

@@ -73,11 +73,16 @@ class LayerTracker(MaxLogitTracker):
 def qklab_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
     """query (B, H, Tq, F), key (B, Hkv, Tk, F), value (B, Hkv, Tk, Dv), attention_mask (B, 1, Tq, Tk)
-    additive (0 or the dtype's min) or None. Returns ((B, Tq, H, Dv), probs (B, H, Tq, Tk) or None)."""
+    additive (0 or the dtype's min) or None. Returns ((B, Tq, H, Dv), probs (B, H, Tq, Tk) or None).
+
+    A family's own keywords are computed as its attention computes them: ``softcap`` (Gemma 2: cap tanh(s /
+    cap), after the tracker, which sees the logits W_Q and W_K scale) and ``s_aux`` (gpt-oss: per-head sinks,
+    as ``attn_sink``)."""
     method = getattr(module, "qk_method", None)
     tracker: LayerTracker | None = getattr(module, "qk_layer", None)
     tracking = tracker is not None and tracker.tracking
     rewrites = method is not None and method.modifies_logits
+    cap = kwargs.get("softcap")
     H, Hkv, Tk = query.shape[1], key.shape[1], key.shape[2]
     mask = attention_mask[..., :Tk] if attention_mask is not None else None
     if mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True):
@@ -87,7 +92,8 @@ def qklab_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
             ~mask, torch.finfo(query.dtype).min)
     drop = dropout if module.training else 0.0
     sink = getattr(module, "attn_sink", None)  # (H,) or None
-    if not (rewrites or kwargs.get("output_attentions")):
+    sink = kwargs.get("s_aux") if sink is None else sink
+    if not (rewrites or cap or kwargs.get("output_attentions")):
         if tracking:  # before the sink's column joins the mask
             causal = query.shape[2] > 1 and getattr(module, "is_causal", True)
             tracker._track(masked_head_max(query, key, scaling, None if mask is None else mask == 0, causal))
@@ -103,6 +109,8 @@ def qklab_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         s = method.logits(s)
     if tracking:
         tracker.observe(s, None if mask is None else mask == 0)
+    if cap:
+        s = cap * torch.tanh(s / cap)
     if mask is not None:
         s = s + mask
     p = softmax_with_sink(s, sink).to(query.dtype)  # fp32; the sink's own probability dropped
