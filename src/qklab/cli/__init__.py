@@ -4,6 +4,7 @@
     study.py     qklab study run|status
     demo.py      qklab demo (the main job)
     sweep.py     qklab sweep (a study from command-line variants)
+    pipe.py      a closed stdout pipe (`qklab ... | head`): exit 141, quietly
 
 ``qklab --version`` answers here, before the parser's imports bring torch in.
 """
@@ -11,8 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import sys
 
 
@@ -24,17 +23,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             print(version_line(), flush=True)
         except BrokenPipeError:
+            from qklab.cli.pipe import closed_pipe
+
             return closed_pipe()
         return 0
     from qklab.cli.commands import main as run
 
     return run(argv)
-
-
-def closed_pipe() -> int:
-    """The reader of stdout left (`qklab ... | head`): stop quietly, as a pipe's writer does (141)."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
-    return 128 + signal.SIGPIPE
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
             return code
     except BrokenPipeError:  # the reader left (`qklab ... | head`)
-        from qklab.cli import closed_pipe
+        from qklab.cli.pipe import closed_pipe
 
         return closed_pipe()
     except UserError as e:
