@@ -165,3 +165,34 @@ def test_status_summary_counts_each_group_as_the_listing_does(tmp_path, capsys):
         got = {s: int(n) for s, n in zip(head[2:], counts, strict=True) if int(n)}
         assert got == expected[group] and int(cells) == sum(got.values()) == 18, row
     assert expected["none_shape64-1-0.125-0.006"]["done"] == 3
+
+
+def test_status_shows_a_running_cell_and_a_checkpoint_to_resume(tmp_path, capsys):
+    """A local study's cells not done, as their run folders show them: the process training one (the holder
+    of its folder's lock, never taken to find out) and its last logged step; a checkpoint of the cell's own
+    config that the next run resumes from; a checkpoint of another config is not named (it is replaced)."""
+    from qklab.study.spec import load_study
+    from tests.rundir.test_progress import hold
+
+    f = tmp_path / "st.toml"
+    f.write_text('[study]\nconfig = "tiny"\nseeds = [0, 1, 2]\n[variants.a]\n"qk.method" = "none"\n')
+    out, cells = tmp_path / "o", load_study(f).cells
+    runs = [out / "cells" / c.id for c in cells]
+    runs[0].mkdir(parents=True)
+    (runs[0] / "metrics.jsonl").write_text('{"step": 10, "loss": 3.0}\n{"step": 20, "loss": 2.5}\n{"ste')
+    for run, h in ((runs[1], cells[1].hash), (runs[2], "another config")):
+        for step in (10, 20):
+            (run / "ckpt" / f"step_{step:07d}").mkdir(parents=True)
+            for name in ("model.safetensors", "state.pt"):
+                (run / "ckpt" / f"step_{step:07d}" / name).write_bytes(b"x")
+        write_json_atomic(run / "cell.json", {"cell_hash": h})
+    p = hold(runs[0])
+    try:
+        assert main(["study", "status", str(f), "--out", str(out)]) == 0
+    finally:
+        p.kill()
+        p.wait()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split(None, 2) == [cells[0].id, "running", f"pid {p.pid}, step 20 of 30"]
+    assert lines[1].split(None, 2) == [cells[1].id, "todo", "checkpoint at step 20 of 30"]
+    assert lines[2].split() == [cells[2].id, "todo"]

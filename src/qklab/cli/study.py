@@ -15,9 +15,12 @@ from collections import Counter
 from pathlib import Path
 
 from qklab.config import ConfigError, packaged, resolve_named_file
-from qklab.study.result import cell_outcome
+from qklab.rundir.checkpoint import PREFIX, complete_checkpoints
+from qklab.rundir.folder import lock_holder
+from qklab.rundir.metrics import last_step
+from qklab.study.result import cell_outcome, read_result
 from qklab.study.runner import cell_status, expected_cost, reusable, reuse_index, run_study
-from qklab.study.spec import Study, group_id, load_study
+from qklab.study.spec import Cell, Study, group_id, load_study
 from qklab.study.workers import Outcome
 from qklab.version import allow_dirty_env
 
@@ -115,7 +118,7 @@ def _status(study: Study, results: Path, out: Path, workers: int, summary: bool 
         src = reusable(c, study, index) if status not in ("done",) else None
         if src is not None:
             status, detail, n_reuse = "reuse", f"from {src[0]} ({src[1]['status']})", n_reuse + 1
-        seen = slurm.cell(c.id, status, res) if slurm is not None else None
+        seen = slurm.cell(c.id, status, res) if slurm is not None else local_progress(c, out, status)
         if seen is not None:
             status, detail = seen
         done += status == "done"
@@ -134,6 +137,22 @@ def _status(study: Study, results: Path, out: Path, workers: int, summary: bool 
           + f"; results in {results}" + time_left(*pace, max(workers, 1)))
     print(plan_status(study, results))
     return 0
+
+
+def local_progress(c: Cell, out: Path, status: str) -> tuple[str, str] | None:
+    """A cell not done, as its run folder in ``out`` shows it: ('running', 'pid N, step S of T') while a
+    process holds the folder, ('todo', 'checkpoint at step S of T') when it has one of its own config (the
+    next run resumes there); None otherwise."""
+    if status != "todo":
+        return None
+    run, steps = out / "cells" / c.id, c.cfg.train.steps
+    pid = lock_holder(run)
+    if pid is not None:
+        step = last_step(run / "metrics.jsonl")
+        return "running", f"pid {pid}, " + (f"step {step} of {steps}" if step is not None else "starting")
+    started = read_result(run / "cell.json") or {}
+    ckpts = complete_checkpoints(run / "ckpt") if started.get("cell_hash") in (c.hash, c.legacy_hash) else []
+    return ("todo", f"checkpoint at step {int(ckpts[-1].name[len(PREFIX):])} of {steps}") if ckpts else None
 
 
 def print_counts(groups: dict[str, Counter]) -> None:

@@ -45,6 +45,23 @@ class RunLock:
         self.release()
 
 
+def lock_holder(run_dir: Path) -> int | None:
+    """The pid of the process that holds ``run_dir``'s lock, or None (free, no folder, or not Linux). Read
+    from the kernel's table of locks (/proc/locks), never by taking the lock: a test lock, even for an
+    instant, would make a trainer that opens the folder at that instant give up."""
+    try:
+        st = os.stat(run_dir / LOCK)
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in table.splitlines():  # "1: FLOCK  ADVISORY  WRITE 4242 fe:00:5596411 0 EOF"; "->": a waiter
+        f = line.split()
+        if len(f) >= 6 and f[1] == "FLOCK" and f[5] == dev and f[4].isdigit():
+            return int(f[4])
+    return None
+
+
 def _is_run_file(name: str) -> bool:
     return name in RUN_FILES or name.startswith(("probe_", ".config.json.", ".metrics.jsonl.", f".{TOKENIZER}."))
 

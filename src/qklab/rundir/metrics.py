@@ -74,6 +74,18 @@ def _step(line: str) -> int | None:
     return rec.get("step") if isinstance(rec, dict) and isinstance(rec.get("step"), int) else None
 
 
+def last_step(path: Path) -> int | None:
+    """The step of the last whole record of a metrics.jsonl (read from its end: a long run's file is large),
+    None when it has none."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 65536))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    return next((s for s in map(_step, reversed(lines)) if s is not None), None)
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """All records; a last line torn by a kill mid-write is left out (any other bad line raises)."""
     lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]
