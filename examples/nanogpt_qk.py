@@ -1,7 +1,10 @@
 """A nanoGPT-style GPT of one's own (a fused qkv Linear, its own RoPE, SDPA) that takes any of qklab's QK
 methods by one call in its attention, and any controller by one call in its training loop.
 
-    python examples/nanogpt_qk.py --qk qknorm --controller qkclip --steps 50
+    python examples/nanogpt_qk.py --qk qknorm --controller quack --steps 50
+
+(QK-clip bounds the logits through the scale of W_Q/W_K, so it is refused with QK-Norm, whose logits
+ignore that scale: pair it with none or qkmap. A refused pair or an unknown name is one line, exit 2.)
 
 Forward side: ``qklab.QK(name, ...)`` in ``CausalSelfAttention.__init__`` (the widths of W_Q and W_K come
 from it) and ``q, k = self.qk(q, k)`` on the projections' outputs, the model's RoPE inside. Optimizer side:
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import qklab
+from qklab.errors import UserError
 from qklab.hf import LayerSpec
 
 
@@ -171,13 +175,29 @@ def train(cfg: GPTConfig, controller: str = "none", steps: int = 20, lr: float =
     return model, losses, metrics
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _steps(text: str) -> int:
+    n = int(text) if text.strip().lstrip("+-").isdigit() else 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of steps")
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="nanogpt_qk.py", description=__doc__.splitlines()[0])
     ap.add_argument("--qk", default="none")
     ap.add_argument("--controller", default="none")
-    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--steps", type=_steps, default=50)
     ap.add_argument("--interleaved", action="store_true")
-    args = ap.parse_args()
-    _, losses, metrics = train(GPTConfig(qk=args.qk, rope_interleaved=args.interleaved), args.controller, args.steps)
+    args = ap.parse_args(argv)
+    try:
+        _, losses, metrics = train(GPTConfig(qk=args.qk, rope_interleaved=args.interleaved), args.controller,
+                                   args.steps)
+    except UserError as e:  # a refused method/controller pair, an unknown name: one line, exit 2
+        ap.error(str(e))
     print(f"qk={args.qk} controller={args.controller}: loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
           f"max logit {metrics.get('max_logit', float('nan')):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

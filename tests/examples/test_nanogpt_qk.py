@@ -116,3 +116,39 @@ def test_qk_lr_multiplier_scales_the_fused_qk_rows_step():
     w = model.h[0].attn.c_attn.weight
     torch.testing.assert_close(w[:nqk], w0[:nqk] - 0.025 * g[:nqk], rtol=0, atol=1e-7)
     torch.testing.assert_close(w[nqk:], w0[nqk:] - 0.1 * g[nqk:], rtol=0, atol=1e-7)
+
+
+def _usage_line(capsys) -> tuple[str, list[str]]:
+    err = capsys.readouterr().err.strip().splitlines()
+    return err[-1], err
+
+
+def test_the_documented_command_line_runs(capsys):
+    """The command line the example's docstring shows is one the example accepts (it once showed a pair
+    that qklab refuses), and it prints what ``train`` gives for those arguments."""
+    line = next(ln.strip() for ln in ex.__doc__.splitlines() if ln.strip().startswith("python examples/"))
+    argv = line.split()[2:]
+    argv[argv.index("--steps") + 1] = "3"
+    assert ex.main(argv) == 0
+    qk, controller = argv[argv.index("--qk") + 1], argv[argv.index("--controller") + 1]
+    _, losses, metrics = ex.train(ex.GPTConfig(qk=qk), controller, 3)
+    assert capsys.readouterr().out == (f"qk={qk} controller={controller}: loss {losses[0]:.3f} -> "
+                                       f"{losses[-1]:.3f}, max logit {metrics['max_logit']:.2f}\n")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--qk", "qknorm", "--controller", "qkclip"], "qk.controller=qkclip cannot bound qk.method=qknorm"),
+    (["--qk", "bogus"], "unknown QK method 'bogus'"),
+    (["--controller", "bogus"], "unknown QK controller 'bogus'"),
+    (["--steps", "0"], "argument --steps: 0 is not a positive number of steps"),
+    (["--steps", "ten"], "argument --steps: ten is not a positive number of steps"),
+])
+def test_a_mistake_is_one_line_and_exit_2(capsys, argv, message):
+    """A refused method/controller pair, an unknown name or no steps: argparse's usage and one error line,
+    exit 2, no traceback."""
+    with pytest.raises(SystemExit) as e:
+        ex.main(argv)
+    last, err = _usage_line(capsys)
+    assert e.value.code == 2
+    assert last.startswith("nanogpt_qk.py: error: ") and message in last, last
+    assert not any("Traceback" in ln for ln in err) and len(err) <= 3
