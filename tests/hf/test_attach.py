@@ -416,3 +416,48 @@ def test_measuring_keeps_a_familys_own_logit_cap_and_sinks(build):
         measured = model(x).logits  # qklab's attention function, measuring
     handle.remove()
     torch.testing.assert_close(measured, own, atol=1e-5, rtol=1e-5)
+
+
+def _deepseek_with(method: str, **opts):
+    from qklab.hf import apply
+
+    model = _deepseek()
+    with torch.no_grad():  # logits of a few units: above the thresholds below
+        for layer in model.model.layers:
+            layer.self_attn.q_b_proj.weight.mul_(24.0)
+            layer.self_attn.kv_b_proj.weight.mul_(3.0)
+    return apply(model, method, **opts).train()
+
+
+def test_deepseek_layers_keep_the_method_apply_gave_them():
+    """On DeepSeek (MLA) layers that apply converted, the controllers see the layer's method, as on Llama-style
+    layers: QK-clip refuses QK-Norm, inverts softcap's cap (raw logit cap * atanh(s / cap)), and
+    QK-Guard's trigger gets every step's per-head max logits."""
+    idx = _ids(2, 16)
+    model = _deepseek_with("qknorm")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(UserError, match="cannot bound qk.method=qknorm"):
+        qklab.attach(model, opt, "qkclip", tau_clip=1.0)
+
+    cap, tau = 4.0, 1.0
+    model = _deepseek_with("softcap", cap=cap)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    handle = qklab.attach(model, opt, "qkclip", tau_clip=tau)
+    model(idx).logits.sum().backward()
+    opt.step()
+    m = handle.controller.metrics()
+    smax = torch.tensor(m["qkclip_smax"])  # the capped logits' max, the layers' per head
+    g = torch.tensor(m["qkclip_g"])  # (layers, H)
+    assert smax > tau
+    raw = cap * torch.atanh(smax / cap)
+    assert torch.isclose(g.min(), cap * math.atanh(tau / cap) / raw, rtol=1e-5)
+
+    model = _deepseek_with("qkguard", threshold=1.45)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    handle = qklab.attach(model, opt, "none", track=True)
+    model(idx).logits.sum().backward()
+    opt.step()
+    seen = torch.tensor(handle.metrics()["max_logit_per_head"])  # (layers, H)
+    on = torch.stack([layer.self_attn.qk_method.on for layer in model.model.layers])  # (layers, H): MLA, Hkv = H
+    assert on.any() and not on.all()
+    assert torch.equal(on, seen > 1.45)

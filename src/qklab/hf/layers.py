@@ -291,7 +291,8 @@ def _deepseek_layer(mod: nn.Module, cfg) -> QKLayer:
     kvb = mod.kv_b_proj.weight.detach().view(H, n + cfg.v_head_dim, R)  # (H, nope + v, kv_rank)
     return QKLayer(f"layer{mod.layer_idx}", mod, H, H, {
         "wuq": qb[:, :n], "wqr": qb[:, n:], "wuk": kvb[:, :n], "wkr": kva[R:], "wdkv": kva[:R],
-        "wdq": mod.q_a_proj.weight.detach() if mod.q_a_proj is not None else None})
+        "wdq": mod.q_a_proj.weight.detach() if mod.q_a_proj is not None else None},
+        getattr(mod, "qk_method", None))  # what apply gave the layer decides QK-clip and QK-Guard's trigger
 
 
 def find_layers(model: nn.Module) -> list[QKLayer]:
