@@ -1,11 +1,12 @@
-"""Stability of a run (analyses.md item 7): loss spikes, divergence, the stable learning-rate range.
+"""Stability of a run (analyses.md item 7): loss spikes and divergence.
 
 * spike: a loss more than ``sigma`` (6) population standard deviations above the mean of the previous
   ``window`` (128) finite losses; no verdict before ``min_history`` (16) losses are in the window.
 * diverged: a loss was non-finite (or a non-finite step was recorded), or the last logged loss exceeds
   the first.
-* stable range of a method in a learning-rate sweep: the rates whose final validation loss is within
-  0.05 nats of that method's best.
+
+The stable rates of a learning-rate sweep are read from a study's results (``qklab.study.analyze`` and the
+report's stability tables), not from one run.
 """
 
 from __future__ import annotations
