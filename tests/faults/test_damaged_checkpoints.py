@@ -4,11 +4,13 @@ checkpoint and say which; the resumed run still ends bitwise equal to the uninte
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 
 from qklab.rundir.checkpoint import latest_checkpoint, read_state, verify_checkpoint
-from tests.faults.common import LEDGER, STEPS, cli, copy_run, same_as_reference, sets
+from qklab.rundir.metrics import MetricsLog
+from tests.faults.common import LEDGER, STEPS, child, cli, copy_run, same_as_reference, sets, wait_for_step
 
 
 def _truncate(path):
@@ -161,3 +163,26 @@ def test_probe_compare_names_a_damaged_checkpoint_and_remeasures_a_damaged_cache
     assert r.code == 0 and any("measured with other options" in ln for ln in r.err_lines), r.err
     assert json.loads(cache.read_text())["options"]["batch"] == 3
     LEDGER.recovered += 2
+
+
+
+def test_a_resume_past_damaged_checkpoints_keeps_what_it_writes(reference, root):
+    """Resumed at step 10 past damaged checkpoints of steps 20 and 30, on another cadence (15) and keeping 2,
+    and killed at step 17: the checkpoint of step 15 is there (pruning used to keep the two damaged ones by
+    name and delete it, leaving no usable checkpoint), the damaged ones are gone, and the run resumes from
+    it to end as the uninterrupted one."""
+    run = _damaged_run(reference, root, "truncated-state")
+    proc = child(["train", "--config", "tiny", *sets(root, "dmg", "train.ckpt_every=15", "train.keep_ckpts=2"),
+                  "--resume"])
+    MetricsLog(run / "metrics.jsonl", truncate_after=10).close()  # as the resume will: wait_for_step then waits
+    wait_for_step(run, 17, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    LEDGER.injected += 2
+    assert proc.returncode == -signal.SIGKILL, "the run ended before the kill"
+    assert sorted(p.name for p in (run / "ckpt").glob("step_*")) == ["step_0000010", "step_0000015"]
+    assert verify_checkpoint(run / "ckpt" / "step_0000015") is None
+    r = cli("train", "--config", "tiny", *sets(root, "dmg"), "--resume")
+    assert r.code == 0, r.err
+    assert f"resumed {run} at step 15" in r.out and "warning" not in r.out, r.out
+    assert same_as_reference(run, reference)

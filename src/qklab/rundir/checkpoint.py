@@ -111,7 +111,7 @@ def save_checkpoint(ckpt_dir: Path, step: int, model: nn.Module | None, state: d
             os.replace(old, final)
         raise
     shutil.rmtree(old, ignore_errors=True)
-    _prune(ckpt_dir, keep)
+    _prune(ckpt_dir, final, keep)
     return final
 
 
@@ -125,9 +125,12 @@ def write_manifest(folder: Path, step: int) -> list[Path]:
     return files
 
 
-def _prune(ckpt_dir: Path, keep: int) -> None:
+def _prune(ckpt_dir: Path, final: Path, keep: int) -> None:
+    """Keep the ``keep`` newest checkpoints up to ``final``, the one just written. Those of later steps were
+    left by the run this one resumed before (damaged ones it passed over): it writes their steps again."""
     done = complete_checkpoints(ckpt_dir)
-    for old in done[: max(0, len(done) - max(1, keep))]:
+    line = [p for p in done if p.name <= final.name]
+    for old in [*line[: max(0, len(line) - max(1, keep))], *(p for p in done if p.name > final.name)]:
         shutil.rmtree(old, ignore_errors=True)
 
 
