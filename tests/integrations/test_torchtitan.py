@@ -220,6 +220,35 @@ def test_qkclip_on_the_stock_attention_hooks_its_inner_attention():
     torch.testing.assert_close(torch.tensor(handle.metrics()["max_logit_per_head"][0]), want, rtol=1e-4, atol=1e-4)
 
 
+def test_stock_attention_measures_only_the_keys_of_each_documents_queries():
+    """Rows packed with two documents: on the stock attention the measured max logits are those the block mask
+    lets into the softmax (each query over the earlier keys of its own document), not every causal pair."""
+    model = _model(None, layers=1)
+    attn = model.layers["0"].attention
+    with torch.no_grad():  # large logits, some of them across the documents
+        attn.qkv_linear.wqkv.weight.view(16, 3, 16, -1)[:, 0].mul_(20.0)
+    handle = tt.attach(model, torch.optim.SGD(model.parameters(), lr=0.0), "none", track=True)
+    tok = torch.randint(0, 2048, (1, L))
+    cut = 12
+    pos = torch.cat([torch.arange(cut), torch.arange(L - cut)]).view(1, L)  # positions restart: a second document
+    seen = []
+    attn.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach()))
+    model.train()
+    with torch.no_grad():
+        model(tok, pos, model.get_attention_masks(pos))
+    handle.after_step()
+    with torch.no_grad():
+        xq, xk, _ = attn.qkv_linear(seen[0])
+        q, k = attn.rope(xq, xk, pos)
+        s = torch.einsum("blhd,bmhd->bhlm", q, k) / 4.0  # (1, H, L, L)
+        doc = (pos[0] == 0).cumsum(0)  # (L,) document ids
+        seen_keys = torch.ones(L, L, dtype=torch.bool).tril() & (doc[:, None] == doc[None, :])
+        want = s.masked_fill(~seen_keys, float("-inf")).amax(dim=(0, 2, 3))
+        causal = s.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf")).amax(dim=(0, 2, 3))
+    assert (causal - want).max() > 1.0  # across the documents lie larger logits
+    torch.testing.assert_close(torch.tensor(handle.metrics()["max_logit_per_head"][0]), want, rtol=1e-4, atol=1e-4)
+
+
 def test_refusals_are_one_line():
     model = _model("qknorm", layers=1)
     with pytest.raises(ValueError, match="cannot bound qk.method=qknorm") as e:

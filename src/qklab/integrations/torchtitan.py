@@ -47,7 +47,8 @@ from torchtitan.protocols.module import Module
 from qklab.errors import ConfigError
 from qklab.hf.attach import Attached
 from qklab.hf.attach import attach as qklab_attach
-from qklab.hf.layers import LayerSpec, QKLayer, hook_logits, norm_refusal
+from qklab.hf.attention import masked_head_max
+from qklab.hf.layers import QKLayer, norm_refusal
 from qklab.model.qk import QK
 from qklab.model.user_rope import UserRope
 
@@ -195,6 +196,22 @@ def _weights(attn: GQAttention, i: int) -> tuple[torch.Tensor, torch.Tensor]:
                       "key as query heads; build GQA layers with fuse_qkv=False")
 
 
+def hook_inner_attention(layer: QKLayer, inner: nn.Module) -> None:
+    """A pre-hook on a stock attention's inner attention, called as f(q, k, v, attention_masks=..., scale=...)
+    on the final (B, L, N, D) q and k: their per-head max logit over the keys each query sees (a block
+    mask's, e.g. its own document's; causal without one) into the layer's tracker."""
+    def hook(m, args, kwargs):
+        if not layer.tracking:
+            return
+        q, k = args[0].detach().transpose(1, 2), args[1].detach().transpose(1, 2)  # (B, N, L, D), (B, Nkv, L, D)
+        B, _, L, D = q.shape
+        masks = kwargs.get("attention_masks")
+        allowed = dense_mask(masks, B, L, q.device) if isinstance(masks, BlockMask) else None  # (B, 1, L, L)
+        layer._track(masked_head_max(q, k, kwargs.get("scale") or D**-0.5, allowed, causal=True))
+
+    layer.hooks = [inner.register_forward_pre_hook(hook, with_kwargs=True)]
+
+
 def attention_layers(model: nn.Module) -> list[QKLayer]:
     """Every GQAttention of a torchtitan model as a ``QKLayer`` (what ``qklab.attach`` acts on)."""
     out = []
@@ -207,8 +224,8 @@ def attention_layers(model: nn.Module) -> list[QKLayer]:
             layer.qk = norm_refusal(layer)  # QK-clip refused on normalised logits, as for transformers' Qwen3
         if qk is not None:
             layer.fed = True  # its qklab.QK measures the logits
-        else:  # the stock attention calls inner_attention(q, k, v, scale=...) on the final (B, L, N, D) q and k
-            hook_logits(layer, attn.inner_attention, LayerSpec(q="", k="", n_heads=attn.n_heads, layout="bthd"))
+        else:  # the stock attention: a hook where it forms its logits
+            hook_inner_attention(layer, attn.inner_attention)
         out.append(layer)
     if not out:
         raise ConfigError(f"no torchtitan GQAttention in {type(model).__name__}")
