@@ -293,26 +293,26 @@ def test_the_command_line_override_form():
     assert isinstance(cfg, tt.QKGQAttention.Config) and (cfg.qk_method, cfg.qk_options) == ("softcap", {"cap": 30.0})
 
 
+def _debugmodel(family: str, method: str | None):
+    """One layer of a torchtitan family's "debugmodel", with qklab's ``method`` (None: the stock model)."""
+    import importlib
+
+    torch.manual_seed(0)
+    spec = importlib.import_module(f"torchtitan.models.{family}").model_registry("debugmodel")
+    spec.model.layers = spec.model.layers[:1]
+    if method is not None:
+        tt.apply(spec, method)
+    model = spec.model.build()
+    model.init_states()
+    return model
+
+
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
 def test_method_none_is_torchtitans_own_attention(family):
     """apply(.., "none") on Llama 3 (ComplexRoPE, fused MHA) and Qwen 3 (CosSinRoPE, its q/k norms, fused
     GQA) with the stock model's weights: the same logits as torchtitan's own model, through its
     FlexAttention and through qklab's attention (fp32, forward: the CPU's FlexAttention)."""
-    import importlib
-
-    registry = importlib.import_module(f"torchtitan.models.{family}").model_registry
-
-    def build(method):
-        torch.manual_seed(0)
-        spec = registry("debugmodel")
-        spec.model.layers = spec.model.layers[:1]
-        if method is not None:
-            tt.apply(spec, method)
-        model = spec.model.build()
-        model.init_states()
-        return model
-
-    stock, ours = build(None), build("none")
+    stock, ours = _debugmodel(family, None), _debugmodel(family, "none")
     ours.load_state_dict(stock.state_dict())  # the same names: qklab.QK of "none" has no parameters
     attn = ours.layers["0"].attention
     assert attn.q_norm is not None if family == "qwen3" else attn.q_norm is None  # "none" keeps the model's norms
@@ -329,3 +329,21 @@ def test_method_none_is_torchtitans_own_attention(family):
     if family == "qwen3":  # fused GQA rows are no per-head view; and its norms bound the logits
         with pytest.raises(ConfigError, match="build GQA layers with fuse_qkv=False"):
             tt.attach(ours, opt, "qkclip", tau_clip=10.0)
+
+
+def test_qknorm_on_qwen3_loads_a_stock_checkpoint_with_its_trained_gains():
+    """QK-Norm takes over Qwen 3's q/k norms: the model keeps their checkpoint names, so a stock Qwen 3 state
+    dict (with trained gains) loads strictly and the model computes what the stock one does (fp32, forward)."""
+    stock, ours = _debugmodel("qwen3", None), _debugmodel("qwen3", "qknorm")
+    with torch.no_grad():  # trained gains: not the ones a fresh model starts from
+        stock.layers["0"].attention.q_norm.weight.uniform_(0.5, 1.5)
+        stock.layers["0"].attention.k_norm.weight.uniform_(0.5, 1.5)
+    ours.load_state_dict(stock.state_dict())  # strict: the same names, no key missing or left over
+    assert ours.state_dict().keys() == stock.state_dict().keys()
+    assert ours.layers["0"].attention.q_norm is None
+    tok = torch.randint(0, 2048, (B, L))
+    pos = torch.arange(L).expand(B, L)
+    with torch.no_grad():
+        want = stock(tok, pos, stock.get_attention_masks(pos))
+        got = ours(tok, pos, ours.get_attention_masks(pos))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

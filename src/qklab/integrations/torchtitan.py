@@ -15,9 +15,10 @@ inner attention (FlexAttention with its block mask, or varlen) and output projec
 k go through ``qklab.QK`` with the model's RoPE, and the inner attention gets the method's softmax scale
 (a logit rewrite, softcap, as FlexAttention's ``score_mod``). QK-MAP, which narrows q and k, gets its own
 W_Q/W_K/W_V projections (``QKVProjections``, the stock ``wq``/``wk``/``wv`` names). A method that replaces
-q/k norms drops the model's ``q_norm``/``k_norm`` (QK-Norm first takes over their gains); the others keep
-them in front. ``attention="qklab"`` runs qklab's own attention with the model's masks made dense (torch
-2.13's FlexAttention has no backward on the CPU).
+q/k norms drops the model's ``q_norm``/``k_norm`` (QK-Norm first takes over their gains, which keep their
+checkpoint names: a stock Qwen 3 checkpoint loads); the others keep them in front. ``attention="qklab"``
+runs qklab's own attention with the model's masks made dense (torch 2.13's FlexAttention has no backward
+on the CPU).
 
 ``attach`` runs ``qklab.attach`` on the model's attention layers (W_Q/W_K as per-head views of ``wq``/``wk``
 or of the fused ``wqkv`` of MHA layers) with the controller's hooks on the ``OptimizersContainer``; the
@@ -107,9 +108,17 @@ class QKGQAttention(GQAttention):
                 dim=config.dim, in_features=self.qk.in_features, q_features=self.qk.q_features,
                 k_features=self.qk.k_features, v_features=self.n_kv_heads * self.head_dim,
                 qk_std=self.qk.method.qk_init_std(0.02)).build()
+        self.stock_names: list[tuple[str, str]] = []  # (qklab's, torchtitan's) name of a gain taken over
         if self.q_norm is not None and config.qk_method != "none" and not self.qk.method.keeps_model_qk_norm:
-            self.qk.method.adopt_qk_norm(self.q_norm, self.k_norm)  # QK-Norm takes over the model's gains
+            m = self.qk.method
+            m.adopt_qk_norm(self.q_norm, self.k_norm)  # QK-Norm takes over the model's gains
+            self.stock_names = [(f"qk.method.{n}.weight", f"{n}.weight") for n in ("q_norm", "k_norm")
+                                if getattr(getattr(m, n, None), "weight", None) is not None
+                                and getattr(m, n).weight.shape == getattr(self, n).weight.shape]
             self.q_norm = self.k_norm = None
+            if self.stock_names:  # checkpoints keep the stock names: a stock one brings its trained gains
+                self.register_state_dict_post_hook(_to_stock_names)
+                self.register_load_state_dict_pre_hook(_from_stock_names)
 
     def _init_self_parameters(self) -> None:
         super()._init_self_parameters()
@@ -144,6 +153,20 @@ class QKGQAttention(GQAttention):
             y = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), xv, attention_masks=attention_masks,
                                      scale=qk.scale, enable_gqa=self.enable_gqa, **more)  # (B, L, N, D)
         return self.wo(y.contiguous().flatten(2))
+
+
+def _to_stock_names(module: QKGQAttention, state_dict, prefix: str, local_metadata) -> None:
+    """state_dict post-hook: the gains a QK-Norm took over under the model's own names (``q_norm.weight``)."""
+    for ours, theirs in module.stock_names:
+        if prefix + ours in state_dict:
+            state_dict[prefix + theirs] = state_dict.pop(prefix + ours)
+
+
+def _from_stock_names(module: QKGQAttention, state_dict, prefix: str, *args) -> None:
+    """load_state_dict pre-hook: the model's own names back to the QK-Norm's."""
+    for ours, theirs in module.stock_names:
+        if prefix + theirs in state_dict:
+            state_dict[prefix + ours] = state_dict.pop(prefix + theirs)
 
 
 def _score_mod(qk: QK):
