@@ -18,6 +18,7 @@ from torch.serialization import get_unsafe_globals_in_checkpoint
 from qklab.config import load_config
 from qklab.rundir.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint, write_manifest
 from qklab.rundir.metrics import read_metrics
+from qklab.train.signals import RunInterrupted
 from qklab.train.trainer import Trainer
 from tests.conftest import another_cpu_capability
 
@@ -212,3 +213,39 @@ def test_cpu_trainer_flushes_subnormals(tmp_path):
     assert t.device.type == "cpu"
     assert (a * b).item() == 0.0  # ... and are flushed once a CPU trainer is built
     assert (a * 4).item() == tiny * 4  # normal values are untouched
+
+
+def _diags(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r["diag"] for r in read_metrics(run_dir / "metrics.jsonl") if "diag" in r}
+
+
+@pytest.mark.parametrize("stop_at", [13, 10])
+def test_a_run_stopped_between_diagnostics_resumes_their_logit_change(tmp_path, stop_at):
+    """SIGTERM at step 13, between the diagnostics of steps 10 and 20: the resumed run's step-20 diagnostics
+    (the logit change per step since step 10 included) equal the uninterrupted run's, bit for bit. A resume
+    used to measure its reference at step 13, giving |s20 - s13| / 7 instead of |s20 - s10| / 10. Stopped
+    at step 10, a diagnostics step, the checkpoint carries no reference (the resume measures the same one)."""
+    opt = ["train.diag_every=10", "train.ckpt_every=100"]
+    full = Trainer(_cfg(tmp_path, "full", *opt), log=lambda s: None)
+    full.run()
+
+    part = Trainer(_cfg(tmp_path, "part", *opt), log=lambda s: None)
+    step = part.train_step
+
+    def train_step():
+        out = step()
+        if part.step == stop_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler would: stop after a checkpoint
+        return out
+
+    part.train_step = train_step
+    with pytest.raises(RunInterrupted):
+        part.run()
+    ck = latest_checkpoint(part.ckpt_dir)
+    assert ck.name == f"step_{stop_at:07d}"
+    resumed = Trainer(_cfg(tmp_path, "part", *opt), resume=True, log=lambda s: None)
+    resumed.run()
+    a, b = _diags(full.run_dir), _diags(resumed.run_dir)
+    assert sorted(a) == sorted(b) == [0, 10, 20]
+    assert b[20]["logit_change"] == a[20]["logit_change"] and b == a  # every number, bit for bit
+    assert bool(read_state(ck).get("monitor")) == (stop_at % 10 != 0)

@@ -154,3 +154,19 @@ class AttentionMonitor:
         if any(stats):  # per layer, per head: e.g. method_stats.w_std[l][h]
             rec["method_stats"] = {k: [s.get(k) for s in stats] for k in stats[0]}
         return rec
+
+    def state_dict(self, step: int) -> dict[str, object]:
+        """For a checkpoint of ``step``: the reference of the next logit change (its step and each layer's q, k),
+        {} when it was measured at ``step`` or none was (a resume then measures the same one again)."""
+        if self._prev is None or self._prev_step == step:
+            return {}
+        return {"step": self._prev_step, "qk": [list(qk) for qk in self._prev.qk]}
+
+    def load_state_dict(self, state: dict[str, object]) -> bool:
+        """Take back the reference ``state_dict`` gave; False when there is none for this batch (another
+        ``train.diag_batch``), which the caller then measures again."""
+        qk = state.get("qk") if state else None
+        if not qk or qk[0][0].shape[0] != self.x.shape[0]:
+            return False
+        self._prev, self._prev_step = Snapshot({}, [tuple(pair) for pair in qk]), int(state["step"])
+        return True

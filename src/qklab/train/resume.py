@@ -44,10 +44,11 @@ def resume_point(ckpt_dir: Path, cfg: RunConfig, resume: bool, overwrite: bool, 
 
 
 def run_state(controller: Stateful, loader: Stateful, spikes: Stateful, skipped: int, cfg: RunConfig,
-              world: int) -> dict[str, Any]:
+              world: int, monitor: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything a checkpoint holds besides the weights and the optimizer states, taken on every rank: a
-    controller may reduce."""
-    return {"controller": controller.state_dict(),
+    controller may reduce. ``monitor``: the diagnostics' reference for the next logit change, when it was
+    measured before this step (``AttentionMonitor.state_dict``)."""
+    return {"controller": controller.state_dict(), "monitor": monitor or {},
             "loader": loader.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_rng_state(), "python": random.getstate(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},

@@ -144,6 +144,7 @@ class Trainer:
                         if t.diag_every else None)  # attention diagnostics; None: off
         self.spikes = SpikeDetector()
         self.step, self.skipped, self._saved_at = 0, 0, -1
+        self._diag_ref = False  # the monitor's reference for the next logit change came from the checkpoint
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # steps not read yet (flush)
         self._progress: Progress | None = None  # the progress bar (or line a minute) while run() runs
         if found is not None:
@@ -206,6 +207,9 @@ class Trainer:
     def _restore(self, path: Path, state: dict[str, Any]) -> None:
         self.checkpointer.restore(path, state)  # weights and optimizer states, whatever wrote them
         self.step, self.skipped = restore_run_state(state, self.controller, self.loader, self.spikes)
+        # the logit change of the next diagnostics is measured from the last ones before this step, as in a
+        # run never stopped (a checkpoint between two diagnostics carries their reference)
+        self._diag_ref = self.monitor is not None and self.monitor.load_state_dict(state.get("monitor") or {})
 
     def _cpu_model(self) -> GPT:
         """An unsharded CPU GPT of this config, its weights left uninitialised (FSDP checkpoints)."""
@@ -228,8 +232,9 @@ class Trainer:
             self.metrics.log(self.step, event="nonfinite_weights")
             raise NonFiniteError(f"weights are non-finite at step {self.step}; no checkpoint written, the last good "
                                  f"one is {self.checkpointer.latest() or 'none'}")
-        path = self.checkpointer.save(self.step, run_state(self.controller, self.loader, self.spikes, self.skipped,
-                                                           self.cfg, self.dist.world))
+        path = self.checkpointer.save(self.step, run_state(
+            self.controller, self.loader, self.spikes, self.skipped, self.cfg, self.dist.world,
+            self.monitor.state_dict(self.step) if self.monitor is not None else None))
         self._saved_at = self.step
         return path
 
@@ -334,8 +339,8 @@ class Trainer:
         try:
             stop.install()
             self._progress = progress
-            if self.monitor is not None:  # the reference for the first logit change; logged at step 0 only
-                base = self._diagnose()
+            if self.monitor is not None and not self._diag_ref:  # the reference for the first logit change;
+                base = self._diagnose()  # logged at step 0 only
                 if self.step == 0:
                     self.metrics.log(0, diag=base)
             t0, s0 = time.perf_counter(), self.step
