@@ -461,3 +461,44 @@ def test_deepseek_layers_keep_the_method_apply_gave_them():
     on = torch.stack([layer.self_attn.qk_method.on for layer in model.model.layers])  # (layers, H): MLA, Hkv = H
     assert on.any() and not on.all()
     assert torch.equal(on, seen > 1.45)
+
+
+@pytest.mark.parametrize("method, opts", [("softcap", {"cap": 50.0}), ("ssmax", {})])
+def test_qkclip_is_refused_where_a_familys_norm_stays_in_front_of_the_method(method, opts):
+    """Qwen3 with softcap or SSMax keeps its own q/k norms in front of the method: its logits do not depend on
+    the scale of W_Q/W_K, so QK-clip would shrink them every step for nothing; refused, model untouched."""
+    from qklab.hf import apply
+
+    model = apply(tiny_model("qwen3"), method, **opts).train()
+    x = _ids(2, 12)
+    with torch.no_grad():
+        before = model(x).logits
+        for layer in model.model.layers:  # what a clip would do: the logits stay where they were
+            layer.self_attn.q_proj.weight.mul_(0.5)
+            layer.self_attn.k_proj.weight.mul_(0.5)
+        torch.testing.assert_close(model(x).logits, before, rtol=1e-4, atol=1e-4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    snap = snapshot(model, [opt])
+    with pytest.raises(UserError, match=f"layer0: the model's own q_norm comes before {method}; qk.controller=qkclip "
+                                        "cannot bound"):
+        qklab.attach(model, opt, "qkclip", tau_clip=1.0)
+    assert_same(snapshot(model, [opt]), snap)
+    qklab.attach(model, opt, "quack").remove()  # the others attach
+
+
+def test_qkclip_is_refused_where_a_models_norm_stays_in_front_of_its_qklab_qk():
+    """The same for a model of one's own: a q/k norm outside its qklab.QK (softcap) fixes q and k first."""
+
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wq, self.wk = nn.Linear(16, 16), nn.Linear(16, 16)
+            self.q_norm, self.k_norm = nn.RMSNorm(4), nn.RMSNorm(4)
+            self.qk = qklab.QK("softcap", n_heads=4, head_dim=4, cap=30.0)
+
+    model = nn.Sequential(Attn())
+    spec = LayerSpec(q="0.wq.weight", k="0.wk.weight", n_heads=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(UserError, match="the model's own 0.q_norm comes before softcap"):
+        qklab.attach(model, opt, "qkclip", layers=[spec], tau_clip=1.0)
+    qklab.attach(model, opt, "quack", layers=[spec]).remove()

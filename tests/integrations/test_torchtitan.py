@@ -347,3 +347,28 @@ def test_qknorm_on_qwen3_loads_a_stock_checkpoint_with_its_trained_gains():
         want = stock(tok, pos, stock.get_attention_masks(pos))
         got = ours(tok, pos, ours.get_attention_masks(pos))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_qkclip_is_refused_where_qwen3s_norms_stay_in_front_of_the_method():
+    """Qwen 3 with softcap keeps its q/k norms in front of the method: scaling W_Q/W_K leaves its logits as they
+    are, so QK-clip is refused (one line), as on the stock Qwen 3; QuacK attaches."""
+    from torchtitan.models.qwen3 import model_registry as qwen3_registry
+
+    torch.manual_seed(0)
+    spec = qwen3_registry("debugmodel_non_fused_qkv")
+    spec.model.layers = spec.model.layers[:1]
+    tt.apply(spec, "softcap", attention="qklab", cap=30.0)  # not FlexAttention: no recompile on the CPU
+    model = spec.model.build()
+    model.init_states()
+    tok = torch.randint(0, 2048, (B, L))
+    pos = torch.arange(L).expand(B, L)
+    lin = model.layers["0"].attention.qkv_linear
+    with torch.no_grad():
+        before = model(tok, pos, model.get_attention_masks(pos))
+        lin.wq.weight.mul_(0.5)
+        lin.wk.weight.mul_(0.5)
+        torch.testing.assert_close(model(tok, pos, model.get_attention_masks(pos)), before, rtol=1e-4, atol=1e-4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="the model's own q_norm comes before softcap; qk.controller=qkclip"):
+        tt.attach(model, opt, "qkclip", tau_clip=10.0)
+    tt.attach(model, opt, "quack").remove()

@@ -28,7 +28,7 @@ from torch import nn
 from qklab.errors import ConfigError, UserError
 from qklab.hf.apply import method_options
 from qklab.hf.attention import AttnSwitch
-from qklab.hf.layers import LayerSpec, QKLayer, find_layers, spec_layer
+from qklab.hf.layers import LayerSpec, QKLayer, find_layers, norm_refusal, spec_layer
 from qklab.methods import CONTROLLERS
 from qklab.methods.base import watched_metrics
 
@@ -48,6 +48,12 @@ class Attached:
         self._window: list[torch.Tensor | None] = [None] * len(layers)  # per layer (H,), on the device
         try:
             self.set_tracking(track)
+            for layer in (layer for layer in layers if layer.model_norm):  # it fixes q and k as a QK-Norm would
+                try:
+                    CONTROLLERS[controller].check_method(norm_refusal(layer), opts)  # QK-clip refuses it
+                except ValueError as e:
+                    raise ConfigError(f"{layer.name}: the model's own {layer.model_norm} comes before "
+                                      f"{layer.qk.name}; {e}") from None
             self.controller = CONTROLLERS[controller](self, optimizer, opts)
         except Exception as e:
             self.remove()  # e.g. QK-clip refused on a QK-Norm model: leave the model as it was

@@ -46,6 +46,7 @@ class QKLayer(LayerTracker):
         self.refusal = ""  # why this layer's max logits cannot be measured ("" where they can)
         self.fed = False  # True: the module (a qklab.QK) feeds the tracker through its qk_layer attribute
         self.biases: dict[str, torch.Tensor] = {}  # "wq"/"wk" -> (n_heads, rows) view of that projection's bias
+        self.model_norm = ""  # the model's own q/k norm left in front of the method (Qwen3 with softcap), or ""
         self.kind: AttnKind = "mla" if "wuk" in weights else "mha"  # MLA's weight names, or MHA/GQA's
         for k, w in weights.items():  # wq -> an object with .weight, as qklab's nn.Linear layers
             setattr(self, k, None if w is None else SimpleNamespace(weight=w))
@@ -147,6 +148,8 @@ def spec_layer(model: nn.Module, spec: LayerSpec, index: int) -> QKLayer:
     norm = _qk_norm(model, attn_name) if spec.qk_norm is None else ("(stated)" if spec.qk_norm else "")
     if norm and qk is None:  # QK-clip is refused on it, as on a transformers family's own QK-Norm
         layer.qk = norm_refusal(layer)
+    elif norm:
+        layer.model_norm = norm
     if not spec.track:
         return layer
     if isinstance(source, QK):
@@ -280,6 +283,8 @@ def _llama_layer(mod: nn.Module, cfg) -> QKLayer:
     for key, lin, n in (("wq", mod.q_proj, H), ("wk", mod.k_proj, Hkv)):
         if lin.bias is not None:  # Qwen2
             layer.biases[key] = _bias_view(lin.bias, None, n)
+    if getattr(mod, "q_norm", None) is not None and layer.qk.name != "qknorm":  # kept in front of the method
+        layer.model_norm = "q_norm"
     return layer
 
 

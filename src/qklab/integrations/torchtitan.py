@@ -245,6 +245,8 @@ def attention_layers(model: nn.Module) -> list[QKLayer]:
                         {"wq": wq, "wk": wk}, qk.method if qk is not None else None)
         if attn.q_norm is not None and qk is None:
             layer.qk = norm_refusal(layer)  # QK-clip refused on normalised logits, as for transformers' Qwen3
+        elif attn.q_norm is not None:  # the model's norms kept in front of the method (softcap, SSMax)
+            layer.model_norm = "q_norm"
         if qk is not None:
             layer.fed = True  # its qklab.QK measures the logits
         else:  # the stock attention: a hook where it forms its logits
