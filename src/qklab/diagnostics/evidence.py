@@ -1,4 +1,4 @@
-"""The induction-copy test of evidence contrast (analyses.md item 6, the second, labelled test; the
+"""The induction-copy test of evidence contrast (docs/diagnostics.md, the second test; the
 main test is the retrieval test of ``retrieval.py``).
 
 A context of N tokens is held-out corpus text with a segment S of m random tokens inserted at relative

@@ -1,4 +1,4 @@
-"""Per-head measurements of one layer's captured attention (analyses.md items 1-5), all in fp32.
+"""Per-head measurements of one layer's captured attention (docs/diagnostics.md), all in fp32.
 
 Shapes: logits and probs (B, H, Tq, Tk), mask (Tq, Tk) with True where query i (absolute position
 Tk - Tq + i) may see key j. Each function returns one value per head, (H,).

@@ -1,4 +1,4 @@
-"""The retrieval test of evidence contrast (analyses.md item 6, main test).
+"""The retrieval test of evidence contrast (docs/diagnostics.md, the main test).
 
 Contexts (``qklab.data.retrieval.query_context``): K = 4 key-value pairs at relative depth p of a
 stretch of held-out text, the context ending with one of the keys, k_j; the model should predict v_j.

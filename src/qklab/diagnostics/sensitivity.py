@@ -1,4 +1,4 @@
-"""Magnitude sensitivity (analyses.md item 5).
+"""Magnitude sensitivity (docs/diagnostics.md).
 
 For each layer, the input of the attention block (the normalised residual stream that enters
 ``block.attn``) is recorded on the probe batch, scaled by a, and fed to that layer alone; nothing

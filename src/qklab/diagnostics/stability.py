@@ -1,4 +1,4 @@
-"""Stability of a run (analyses.md item 7): loss spikes and divergence.
+"""Stability of a run (docs/diagnostics.md): loss spikes and divergence.
 
 * spike: a loss more than ``sigma`` (6) population standard deviations above the mean of the previous
   ``window`` (128) finite losses; no verdict before ``min_history`` (16) losses are in the window.

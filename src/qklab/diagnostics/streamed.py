@@ -1,5 +1,5 @@
-"""Per-head measurements of one layer computed from its q and k in query chunks (analyses.md items
-1-4), so that at most one chunk of (B, H, rows, T) logits exists at a time.
+"""Per-head measurements of one layer computed from its q and k in query chunks (docs/diagnostics.md), so
+that at most one chunk of (B, H, rows, T) logits exists at a time.
 
 The definitions are those of ``measures.py`` (which works on full captured tensors and serves as the
 reference in the tests); here the sums run chunk by chunk and are divided at the end. Causal
