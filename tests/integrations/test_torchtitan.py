@@ -372,3 +372,24 @@ def test_qkclip_is_refused_where_qwen3s_norms_stay_in_front_of_the_method():
     with pytest.raises(ConfigError, match="the model's own q_norm comes before softcap; qk.controller=qkclip"):
         tt.attach(model, opt, "qkclip", tau_clip=10.0)
     tt.attach(model, opt, "quack").remove()
+
+
+def test_apply_checks_shape_dependent_options_against_the_models_own_heads():
+    """tt.apply checks names and values before any replacement, but the shapes only where the model's widths
+    are known: QK-MAP with 2 * n_freqs = head_dim (128 in Qwen 3) builds, one that does not fit is refused
+    at build in one line naming the model's head_dim."""
+    from torchtitan.models.qwen3 import model_registry as qwen3_registry
+
+    def spec(n_freqs):
+        s = qwen3_registry("debugmodel_non_fused_qkv")
+        s.model.layers = s.model.layers[:1]
+        tt.apply(s, "qkmap", attention="qklab", n_freqs=n_freqs)
+        return s
+
+    model = spec(64).model.build()
+    qk = model.layers["0"].attention.qk
+    assert (qk.proj_dim, qk.feature_dim) == (1, 128) and 2 * 64 * 1 == 128
+    with pytest.raises(ConfigError, match="compute-matched needs head_dim=128 divisible by 2\\*n_freqs=96"):
+        spec(48).model.build()
+    with pytest.raises(ConfigError, match="n_freqs=0 is out of range"):
+        spec(0)

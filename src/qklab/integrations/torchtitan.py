@@ -50,6 +50,7 @@ from qklab.hf.attach import Attached
 from qklab.hf.attach import attach as qklab_attach
 from qklab.hf.attention import masked_head_max
 from qklab.hf.layers import QKLayer, norm_refusal
+from qklab.methods.build import method_options
 from qklab.model.qk import QK
 from qklab.model.user_rope import UserRope
 
@@ -198,7 +199,7 @@ def apply(config, method: str, *, attention: str = "inner", **options) -> list[s
     """Give every GQAttention of a torchtitan config tree (a Trainer.Config, a ModelSpec, a model config)
     qklab's ``method`` with its ``options``, through torchtitan's override mechanism; before ``build``.
     Returns torchtitan's lines naming each replaced attention."""
-    QK(method, n_heads=1, head_dim=64, **options)  # the name and options checked before any replacement
+    method_options(method, options)  # the name and values checked before any replacement; shapes at build
     kwargs = {"method": method, "attention": attention, **options}
     done = apply_overrides(OverrideConfig(imports=[(OVERRIDE, kwargs)]), config)
     if not done:
