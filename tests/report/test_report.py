@@ -575,3 +575,14 @@ def test_first_token_axis_fits_its_bars(tmp_path):
         assert any(ln.get_ydata()[0] == 0.3 for ln in ax.lines) == sink
         assert (top >= 0.35) if sink else (0.017 < top < 0.05 and "far below" in ax.get_title())
         plt.close(fig)
+
+
+def test_a_file_given_as_a_results_folder_is_named_as_a_file(tmp_path):
+    """A path that exists but is a file (a result.json itself, say) is not called missing."""
+    f = tmp_path / "result.json"
+    f.write_text("{}")
+    with pytest.raises(ConfigError) as e:
+        write_report([f])
+    assert str(e.value) == f"{f}: a file, not a folder; give folders holding result.json files"
+    with pytest.raises(ConfigError, match="nope: no such folder"):
+        write_report([tmp_path / "nope"])

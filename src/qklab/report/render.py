@@ -133,7 +133,8 @@ def _load(dirs: list[str | Path], problems: list[str]) -> tuple[list[dict], dict
     for a missing folder or no result at all."""
     for d in dirs:
         if not Path(d).is_dir():
-            raise ReportError(f"{d}: no such folder; give folders holding result.json files")
+            what = "a file, not a folder" if Path(d).exists() else "no such folder"
+            raise ReportError(f"{d}: {what}; give folders holding result.json files")
     results, studies = load_results(dirs, problems)
     if not results:  # one line: the error, naming the first damaged file
         raise ReportError(f"no result.json under {', '.join(map(str, dirs))}"
