@@ -14,7 +14,7 @@ import qklab.atomic as files
 import qklab.rundir.checkpoint as ck
 from qklab.rundir.checkpoint import latest_checkpoint, remove_stale_temps
 from qklab.rundir.metrics import MetricsLog
-from tests.faults.common import LEDGER, cli, copy_run, same_as_reference, sets
+from tests.faults.common import LEDGER, child, cli, copy_run, same_as_reference, sets
 
 
 def _disk_full(*_args, **_kw):
@@ -84,3 +84,37 @@ def test_a_line_torn_by_a_kill_is_dropped_on_resume(tmp_path):
     MetricsLog(path, truncate_after=2).close()
     assert path.read_text() == '{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 2.0}\n'
     LEDGER.recovered += 1
+
+
+# while a checkpoint is written, the file system refuses to write past ``{limit}`` bytes a file, as a full disk
+# refuses any write: the writes of torch.save (state.pt) and safetensors (model.safetensors) fail inside those
+# libraries, not in qklab's code (only there: git, run by the process, would leave a torn index.lock)
+FILE_LIMIT = """
+import resource, signal
+import qklab.train.checkpointer as ck
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+_real = ck.save_checkpoint
+def _limited(*a, **k):
+    resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, resource.RLIM_INFINITY))
+    try:
+        return _real(*a, **k)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+ck.save_checkpoint = _limited
+"""
+
+
+@pytest.mark.parametrize("limit, file", [(200_000, "model.safetensors"), (700_000, "state.pt")])
+def test_a_write_refused_inside_torch_or_safetensors_is_one_line(reference, root, limit, file):
+    """A real refused write (RLIMIT_FSIZE) of the first checkpoint: one line naming the system's error and exit
+    2, as for any full disk; torch.save and safetensors used to raise their own RuntimeError and
+    SafetensorError, reported as a bug in qklab with a traceback (exit 1)."""
+    assert (reference / "ckpt" / "step_0000010" / file).stat().st_size > limit  # (the other file fits)
+    proc = child(["train", "--config", "tiny", *sets(root, "limit")], prelude=FILE_LIMIT.format(limit=limit))
+    _, err = proc.communicate(timeout=120)
+    LEDGER.injected += 1
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"qklab: error: {os.strerror(errno.EFBIG)} ({root / 'runs' / 'limit' / 'ckpt'}"), err
+    ckpt = root / "runs" / "limit" / "ckpt"
+    assert not list(ckpt.iterdir()), list(ckpt.iterdir())  # nothing half-written left

@@ -19,7 +19,7 @@ STOP_AT = RNG.randrange(2, STEPS - 2)
 SLOW_WRITE = """
 import time
 import qklab.rundir.checkpoint as ck
-_real = ck.torch.save
+_real = ck.save_state
 def _slow(obj, path):
     if obj.get("step") == 20:
         with open(path, "wb") as f:
@@ -27,7 +27,7 @@ def _slow(obj, path):
         print("WRITING", flush=True)
         time.sleep({pause})
     _real(obj, path)
-ck.torch.save = _slow
+ck.save_state = _slow
 """
 
 

@@ -91,10 +91,16 @@ def save_checkpoint(ckpt_dir: Path, step: int, model: nn.Module | None, state: d
     final = ckpt_dir / f"{PREFIX}{step:07d}"
     old = ckpt_dir / f".old-{PREFIX}{step:07d}-{os.getpid()}"
     try:
-        if model is not None:
-            save_model(model, str(tmp / WEIGHTS))
-            follow_umask(tmp / WEIGHTS)  # safetensors writes 0600
-        torch.save({**state, "step": step}, tmp / STATE)
+        try:
+            if model is not None:
+                save_model(model, str(tmp / WEIGHTS))
+                follow_umask(tmp / WEIGHTS)  # safetensors writes 0600
+            save_state({**state, "step": step}, tmp / STATE)
+        except Exception as e:  # a full disk: the OSError the library's error hides, for its one line
+            err = os_error(e, tmp)
+            if err is None or err is e:
+                raise
+            raise err from None
         files = write_manifest(tmp, step)
         for f in [*files, tmp / MANIFEST]:
             fsync_file(f)
@@ -113,6 +119,22 @@ def save_checkpoint(ckpt_dir: Path, step: int, model: nn.Module | None, state: d
     shutil.rmtree(old, ignore_errors=True)
     _prune(ckpt_dir, final, keep)
     return final
+
+
+def save_state(state: dict[str, Any], path: Path) -> None:
+    """``torch.save`` through a file of ours, so that a failed write (a full disk) keeps its OSError."""
+    with open(path, "wb") as f:
+        torch.save(state, f)
+
+
+def os_error(e: BaseException, path: Path) -> OSError | None:
+    """The OSError behind a library's failed write, or None: ``torch.save`` raises a RuntimeError with it as
+    its context, safetensors a SafetensorError that gives its number ("No space left on device (os error 28)")."""
+    for cause in (e, e.__cause__, e.__context__):
+        if isinstance(cause, OSError):
+            return cause if cause.filename or cause.errno is None else OSError(cause.errno, cause.strerror, str(path))
+    m = re.search(r"\(os error (\d+)\)", str(e))
+    return OSError(int(m.group(1)), os.strerror(int(m.group(1))), str(path)) if m else None
 
 
 def write_manifest(folder: Path, step: int) -> list[Path]:
