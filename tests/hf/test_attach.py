@@ -502,3 +502,47 @@ def test_qkclip_is_refused_where_a_models_norm_stays_in_front_of_its_qklab_qk():
     with pytest.raises(UserError, match="the model's own 0.q_norm comes before softcap"):
         qklab.attach(model, opt, "qkclip", layers=[spec], tau_clip=1.0)
     qklab.attach(model, opt, "quack", layers=[spec]).remove()
+
+
+def test_a_hooked_sdpa_wrapper_measures_under_its_attn_mask():
+    """LayerSpec(logits=<a module called as f(q, k, v, attn_mask=...)>): the measured max logits are over the
+    keys the mask leaves each query (two documents packed in one row), not over every causal pair."""
+
+    class Sdpa(nn.Module):
+        def forward(self, q, k, v, attn_mask=None):
+            return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wq, self.wk, self.wv = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+            self.sdpa = Sdpa()
+
+        def forward(self, x, mask):  # x (B, T, 16)
+            q, k, v = (w(x).unflatten(-1, (4, 4)).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+            return self.sdpa(q, k, v, attn_mask=mask)
+
+    torch.manual_seed(0)
+    attn = Attn()
+    with torch.no_grad():
+        attn.wq.weight.mul_(8.0)
+    model = nn.Sequential(attn)
+    spec = LayerSpec(q="0.wq.weight", k="0.wk.weight", n_heads=4, logits="0.sdpa")
+    handle = qklab.attach(model, torch.optim.SGD(model.parameters(), lr=0.0), "none", layers=[spec], track=True)
+    T, cut = 12, 5
+    doc = (torch.arange(T) >= cut).long()  # (T,) document ids
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    mask = causal & (doc[:, None] == doc[None, :])  # (T, T): each query over its own document's earlier keys
+    x = torch.randn(3, T, 16)
+    model.train()
+    with torch.no_grad():
+        attn(x, mask)
+    handle.after_step()
+    with torch.no_grad():
+        q, k = attn.wq(x).unflatten(-1, (4, 4)).transpose(1, 2), attn.wk(x).unflatten(-1, (4, 4)).transpose(1, 2)
+        s = q @ k.transpose(-2, -1) / 2.0  # (B, H, T, T), scale 1/sqrt(4)
+        want = s.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3))
+        every = s.masked_fill(~causal, float("-inf")).amax(dim=(0, 2, 3))
+    assert (every - want).max() > 0.1  # across the documents lie larger logits
+    torch.testing.assert_close(torch.tensor(handle.metrics()["max_logit_per_head"][0]), want, rtol=1e-5, atol=1e-5)
+    handle.remove()

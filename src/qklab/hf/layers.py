@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from qklab.errors import ConfigError
-from qklab.hf.attention import LayerTracker
+from qklab.hf.attention import LayerTracker, masked_head_max
 from qklab.methods import AttnShape, QKMethod
 from qklab.methods.base import NoOptions
 from qklab.methods.headwise import AttnKind
@@ -230,7 +230,8 @@ _QK_NORM = re.compile(r"(?i)(^|[._])(q|k|qk|query|key)_?(norm|ln|layernorm|layer
 
 def hook_logits(layer: QKLayer, mod: nn.Module, spec: LayerSpec) -> None:
     """A pre-hook on a module called as f(q, k, ...) on the final q and k (``spec.layout``, ``spec.causal``):
-    their per-head max logit into the layer's tracker."""
+    their per-head max logit into the layer's tracker, over the keys an ``attn_mask`` keyword (SDPA's: bool,
+    True where a query sees a key, or additive, -inf where it does not) leaves each query."""
     def hook(m, args, kwargs):
         if not layer.tracking:
             return
@@ -239,14 +240,20 @@ def hook_logits(layer: QKLayer, mod: nn.Module, spec: LayerSpec) -> None:
         if spec.layout == "bthd":
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D)
         scale = kwargs.get("scale") or 1.0 / math.sqrt(q.shape[-1])
-        _track_qk(layer, q.detach(), k.detach(), scale, spec.causal)
+        mask = kwargs.get("attn_mask")  # broadcasts to (B, H, Tq, Tk)
+        allowed = None if mask is None else mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
+        _track_qk(layer, q.detach(), k.detach(), scale, spec.causal, allowed)
 
     layer.hooks = [mod.register_forward_pre_hook(hook, with_kwargs=True)]
 
 
-def _track_qk(layer: QKLayer, q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> None:
-    """q (B, H, T, d), k (B, Hkv, T, d): this forward's per-head max logit into the layer's tracker."""
-    if causal:
+def _track_qk(layer: QKLayer, q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool,
+              allowed: torch.Tensor | None = None) -> None:
+    """q (B, H, T, d), k (B, Hkv, T, d): this forward's per-head max logit into the layer's tracker, over the
+    ``allowed`` keys (bool, broadcasting to (B, H, T, T)) if given."""
+    if allowed is not None:
+        layer._track(masked_head_max(q, k, scale, allowed, causal))
+    elif causal:
         layer._track(head_max_logit(q, k, scale))
     else:
         k = k.repeat_interleave(layer.n_heads // layer.n_kv_heads, dim=1)
