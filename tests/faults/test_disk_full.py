@@ -91,26 +91,29 @@ def test_a_line_torn_by_a_kill_is_dropped_on_resume(tmp_path):
 # libraries, not in qklab's code (only there: git, run by the process, would leave a torn index.lock)
 FILE_LIMIT = """
 import resource, signal
-import qklab.train.checkpointer as ck
+from qklab.train.checkpointer import Checkpointer
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-_real = ck.save_checkpoint
+_real = Checkpointer.save
 def _limited(*a, **k):
     resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, resource.RLIM_INFINITY))
     try:
         return _real(*a, **k)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-ck.save_checkpoint = _limited
+Checkpointer.save = _limited
 """
 
 
-@pytest.mark.parametrize("limit, file", [(200_000, "model.safetensors"), (700_000, "state.pt")])
-def test_a_write_refused_inside_torch_or_safetensors_is_one_line(reference, root, limit, file):
+@pytest.mark.parametrize("limit, file, fmt", [(200_000, "model.safetensors", "full"), (700_000, "state.pt", "full"),
+                                              (200_000, "dcp/", "sharded")])
+def test_a_write_refused_inside_torch_or_safetensors_is_one_line(reference, root, limit, file, fmt):
     """A real refused write (RLIMIT_FSIZE) of the first checkpoint: one line naming the system's error and exit
-    2, as for any full disk; torch.save and safetensors used to raise their own RuntimeError and
-    SafetensorError, reported as a bug in qklab with a traceback (exit 1)."""
-    assert (reference / "ckpt" / "step_0000010" / file).stat().st_size > limit  # (the other file fits)
-    proc = child(["train", "--config", "tiny", *sets(root, "limit")], prelude=FILE_LIMIT.format(limit=limit))
+    2, as for any full disk; torch.save, safetensors and DCP used to raise their own RuntimeError,
+    SafetensorError and CheckpointException, reported as a bug in qklab with a traceback (exit 1)."""
+    if fmt == "full":  # the file over the limit (the other fits)
+        assert (reference / "ckpt" / "step_0000010" / file).stat().st_size > limit
+    proc = child(["train", "--config", "tiny", *sets(root, "limit", f"train.ckpt_format={fmt}")],
+                 prelude=FILE_LIMIT.format(limit=limit))
     _, err = proc.communicate(timeout=120)
     LEDGER.injected += 1
     lines = [ln for ln in err.splitlines() if ln.strip()]

@@ -58,10 +58,17 @@ def save_sharded(folder: Path, model: nn.Module, optimizers: list[torch.optim.Op
     """Write this process's shards of the model and optimizer states into ``folder`` (a collective: every
     rank calls it with the same folder, on a file system they share)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     state = _state(model, optimizers)
-    with _io() as single:
-        dcp.save(state, checkpoint_id=str(folder), no_dist=single)
+    try:
+        with _io() as single:
+            dcp.save(state, checkpoint_id=str(folder), no_dist=single)
+    except CheckpointException as e:  # the failures of every rank, wrapped: a full disk is its OSError again
+        err = next((x for x, _ in e.failures.values() if isinstance(x, OSError)), None)
+        if err is None:
+            raise
+        raise OSError(err.errno, err.strerror, err.filename or str(folder)) from None
 
 
 def load_sharded(folder: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
