@@ -133,9 +133,13 @@ class Trainer:
         world = self.dist.world  # every rank draws the global micro-batch and keeps its own rows
         self.loader = self.parallel.loader(train_loader(self.data, t.batch_size * world, t.seq_len, data_seed,
                                                         cfg.data.retrieval))
-        # val_loss: the selection part of the held-out text; report_loss (final step only): the report part
-        self.val_batches = self.data.eval_batches("selection", t.batch_size, t.seq_len, t.eval_batches)
-        self.report_batches = self.data.eval_batches("report", t.batch_size, t.seq_len, t.eval_batches)
+        # val_loss: the selection part of the held-out text; report_loss (final step only): the report part;
+        # batches of the global batch, as one process draws them, each rank evaluating its rows (evaluate)
+        val = self.data.eval_batches("selection", t.batch_size * world, t.seq_len, t.eval_batches)
+        self.logit_x = val[0][0][:4]  # the max logit's rows: those of one process, on every rank
+        self.val_batches = self._rows(val)
+        self.report_batches = self._rows(self.data.eval_batches("report", t.batch_size * world, t.seq_len,
+                                                                t.eval_batches))
         if isinstance(self.data, MQARData):  # the loss is on the queried values only
             self.model.ignore_index = IGNORE
         if self.device.type == "cuda":  # FlexAttention's causal mask, made before anything is compiled
@@ -210,6 +214,21 @@ class Trainer:
         # the logit change of the next diagnostics is measured from the last ones before this step, as in a
         # run never stopped (a checkpoint between two diagnostics carries their reference)
         self._diag_ref = self.monitor is not None and self.monitor.load_state_dict(state.get("monitor") or {})
+
+    def _rows(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's rows of each global held-out batch (as ``Strategy.loader`` slices the training batches)."""
+        if not self.dist.active:
+            return batches
+        b = self.cfg.train.batch_size
+        return [(x[self.dist.rank * b:(self.dist.rank + 1) * b], y[self.dist.rank * b:(self.dist.rank + 1) * b])
+                for x, y in batches]
+
+    def _eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """The held-out loss over every rank's rows: each rank's mean, averaged over the ranks."""
+        loss = eval_loss(self.model, batches, self.device, self.autocast)
+        if not self.dist.active:
+            return loss
+        return self.dist.reduce(torch.tensor(loss, dtype=torch.float64, device=self.device)).item() / self.dist.world
 
     def _cpu_model(self) -> GPT:
         """An unsharded CPU GPT of this config, its weights left uninitialised (FSDP checkpoints)."""
@@ -322,8 +341,8 @@ class Trainer:
         self._echo(f"step {step}: non-finite {what}; step skipped (train.nonfinite=skip)")
 
     def evaluate(self) -> dict[str, float]:
-        val = eval_loss(self.model, self.val_batches, self.device, self.autocast)
-        x = self.val_batches[0][0][:4].to(self.device)
+        val = self._eval_loss(self.val_batches)
+        x = self.logit_x.to(self.device)
         with self.autocast():
             ml = max_attention_logits(self.model, x)
         return {"val_loss": val, "max_logit": ml.max().item(), "max_logit_per_layer": ml.amax(dim=1).tolist()}
@@ -365,7 +384,7 @@ class Trainer:
                     last = self.evaluate()
                     rec.update(last)
                     if end:  # the report split is read once, at the end
-                        rec["report_loss"] = eval_loss(self.model, self.report_batches, self.device, self.autocast)
+                        rec["report_loss"] = self._eval_loss(self.report_batches)
                     self._echo(f"step {self.step}: val_loss {last['val_loss']:.4f}  "
                                f"max_logit {last['max_logit']:.2f}")
                 if at_diag:
