@@ -355,3 +355,34 @@ def test_a_corpus_not_installed_stops_the_study_before_any_cell(tmp_path, monkey
     assert err[-1].startswith("qklab: error: data.source: the english corpus is not installed")
     assert "make corpus" in err[-1]
     assert not list(res.glob("*/result.json"))
+
+
+def test_a_cell_stopped_during_its_probes_keeps_its_training_time(tmp_path, monkeypatch):
+    """A signal while a trained cell is probed: no result; the next run resumes it at its last step and its
+    result counts the time of both runs (the first one's training was lost from seconds and cpu_seconds)."""
+    import time
+
+    import qklab.study.cell as cell_mod
+    from qklab.study.cell import run_cell
+    from qklab.train.signals import RunInterrupted
+
+    study = _study(tmp_path, {"a": {"qk.method": "none"}}, probe=1)
+    cell, out, res = study.cells[0], tmp_path / "o", tmp_path / "res"
+    (out / "logs").mkdir(parents=True)
+
+    def stopped(*_a):
+        raise RunInterrupted("stopped by SIGTERM", 15)
+
+    monkeypatch.setattr(cell_mod, "_probe", stopped)
+    t0, cpu0 = time.time(), cell_mod._cpu_seconds()
+    with pytest.raises(RunInterrupted):
+        run_cell(cell, "t", out, res, 1, 1)
+    first, first_cpu = time.time() - t0, cell_mod._cpu_seconds() - cpu0  # all of it training and set-up
+    assert not (res / cell.id / "result.json").exists()
+    monkeypatch.setattr(cell_mod, "_probe", lambda *_a: {"summary": {}})
+    t0, cpu0 = time.time(), cell_mod._cpu_seconds()
+    r = run_cell(cell, "t", out, res, 1, 1)
+    second, second_cpu = time.time() - t0, cell_mod._cpu_seconds() - cpu0
+    assert r["status"] == "ok" and r["final"]["step"] == 40
+    assert first < r["seconds"] <= first + second
+    assert first_cpu < r["cpu_seconds"] <= first_cpu + second_cpu + 0.01

@@ -62,11 +62,11 @@ def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, pro
     header = cell_header(cell, study, log_path)
     main = os.environ.get("RANK", "0") == "0"  # under torchrun (a Slurm task's several processes) rank 0 writes
     t0, cpu0, chash = time.time(), _cpu_seconds(), cell.hash
+    mark = None  # the run folder's cell.json, once this call has begun training there
     try:
         cfg = run_config(cell, out, threads)
         run_dir = Path(cfg.train.out_dir) / cfg.train.name
-        mark = run_dir / "cell.json"  # the config hash the run folder was started with
-        started = read_result(mark) or {}
+        started = read_result(run_dir / "cell.json") or {}  # the config hash the run folder was started with
         resume = latest_checkpoint(run_dir / "ckpt") is not None and \
             started.get("cell_hash") in (chash, cell.legacy_hash)
         data = prepare_data(cfg.data)
@@ -77,17 +77,13 @@ def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, pro
         before = {k: float(started.get(k, 0.0)) if resume else 0.0 for k in ("seconds", "cpu_seconds")}
         t0, cpu0 = t0 - before["seconds"], cpu0 - before["cpu_seconds"]
         if main:
+            mark = run_dir / "cell.json"
             write_json_atomic(mark, {"cell_hash": chash, **before})
         stopped = None
         try:
             trainer.run()
         except NonFiniteError as e:  # a diverged cell is a result, not a failure
             stopped = str(e)
-        except RunInterrupted:
-            if main:
-                write_json_atomic(mark, {"cell_hash": chash, "seconds": time.time() - t0,
-                                         "cpu_seconds": _cpu_seconds() - cpu0})
-            raise
         if not main:
             return {}
         unigram = unigram_entropy(data.select_tokens(), data.vocab_size)
@@ -95,8 +91,13 @@ def run_cell(cell: Cell, study: str, out: Path, results: Path, threads: int, pro
                            time.time() - t0, stopped)
         if probe and not res["diverged"]:
             res["probe"] = _probe(run_dir, probe)
-    except (RunInterrupted, RunLockError):  # stopped by a signal after a checkpoint, or another process
-        raise  # (a hand-started `qklab train`) is training this cell: not done, not failed; a re-run resumes
+    except (RunInterrupted, RunLockError) as e:  # stopped by a signal after a checkpoint, or another process
+        # (a hand-started `qklab train`) is training this cell: not done, not failed; a re-run resumes it and
+        # counts the time spent so far, in training or in the probes after it
+        if isinstance(e, RunInterrupted) and mark is not None:
+            write_json_atomic(mark, {"cell_hash": chash, "seconds": time.time() - t0,
+                                     "cpu_seconds": _cpu_seconds() - cpu0})
+        raise
     except Exception as e:  # any failure of the cell is recorded and the study goes on
         traceback.print_exc()
         if not main:  # a failure on another rank: rank 0 records the cell's (its collectives fail with it)
