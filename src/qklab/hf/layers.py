@@ -282,7 +282,9 @@ def _hook_projections(layer: QKLayer, qmod, kmod, qs, ks, d: int, causal: bool) 
 def _llama_layer(mod: nn.Module, cfg) -> QKLayer:
     H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     qk = getattr(mod, "qk_method", None)  # standard attention (apply's "none", e.g. with a gate) keeps the norms
-    if (qk is None or qk.name == "none") and getattr(mod, "q_norm", None) is not None:  # the family's QK-Norm
+    standard = qk is None or qk.name == "none"
+    own_norm = getattr(mod, "q_norm", None) is not None  # apply removed it where the method took its gains
+    if standard and own_norm:  # the family's QK-Norm
         qk = QKNorm(AttnShape(cfg.hidden_size, H, Hkv, mod.head_dim, mod.layer_idx, 1), QKNormOptions())
     layer = QKLayer(f"layer{mod.layer_idx}", mod, H, Hkv,
                     {"wq": _head_view(mod.q_proj.weight, None, H, False),
@@ -290,7 +292,7 @@ def _llama_layer(mod: nn.Module, cfg) -> QKLayer:
     for key, lin, n in (("wq", mod.q_proj, H), ("wk", mod.k_proj, Hkv)):
         if lin.bias is not None:  # Qwen2
             layer.biases[key] = _bias_view(lin.bias, None, n)
-    if getattr(mod, "q_norm", None) is not None and layer.qk.name != "qknorm":  # kept in front of the method
+    if own_norm and not standard:  # kept in front of the method apply gave the layer
         layer.model_norm = "q_norm"
     return layer
 
