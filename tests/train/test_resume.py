@@ -153,6 +153,19 @@ def test_existing_run_needs_resume_or_overwrite(tmp_path):
         Trainer(_cfg(tmp_path, "dup"), log=lambda s: None)
 
 
+
+def test_resume_takes_the_newest_checkpoint_past_a_stale_latest_pointer(tmp_path):
+    """A run killed between the rename of its step-20 checkpoint and the pointer's (``latest`` still names
+    step 10) resumes at step 20, not at 10."""
+    Trainer(_cfg(tmp_path, "stale"), log=lambda s: None).run()
+    ckpt = tmp_path / "runs" / "stale" / "ckpt"
+    (ckpt / "latest").write_text("step_0000010\n")
+    lines: list[str] = []
+    resumed = Trainer(_cfg(tmp_path, "stale", "train.steps=30"), resume=True, log=lines.append)
+    resumed.close()
+    assert resumed.step == 20
+    assert lines[-1] == f"resumed {resumed.run_dir} at step 20 from step_0000020"
+
 KILLER = textwrap.dedent(
     """
     import sys, time, torch

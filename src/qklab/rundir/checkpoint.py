@@ -6,7 +6,8 @@ sha256 of each file). A sharded checkpoint (``train.ckpt_format=sharded``, ``qkl
 weights and optimizer states in ``dcp/``, written by every rank, instead of ``model.safetensors``.
 
 A checkpoint is written under a temporary name, every file is fsynced, and only then
-is the folder renamed into place and the ``latest`` pointer replaced (also by rename). A process killed
+is the folder renamed into place and the ``latest`` pointer replaced (also by rename; a hint for people and
+other tools: readers take the newest step that verifies, whatever it names). A process killed
 at any moment leaves the previous checkpoint intact; a failed write (a full disk) removes its temporary
 folder, and temporary folders of dead writers are removed before the next write.
 
@@ -215,19 +216,12 @@ def verify_checkpoint(path: Path, unverified: bool = True) -> str | None:
 
 
 def _candidates(ckpt_dir: Path) -> list[Path]:
-    """Checkpoint folders, newest first (whatever ``latest`` names first)."""
+    """Checkpoint folders, newest step first. The ``latest`` pointer is not consulted: it is a hint for people
+    and other tools, and a stale one (a kill between a checkpoint's rename and the pointer's) would put an
+    older checkpoint before a newer complete one."""
     if not ckpt_dir.is_dir():
         return []
-    found = sorted((p for p in ckpt_dir.glob(f"{PREFIX}*") if p.is_dir()), key=lambda p: p.name, reverse=True)
-    pointer = ckpt_dir / "latest"
-    try:
-        named = ckpt_dir / pointer.read_text().strip() if pointer.is_file() else None
-    except (OSError, UnicodeDecodeError):
-        named = None
-    if named in found:
-        found.remove(named)
-        found.insert(0, named)
-    return found
+    return sorted((p for p in ckpt_dir.glob(f"{PREFIX}*") if p.is_dir()), key=lambda p: p.name, reverse=True)
 
 
 def newest_usable(ckpt_dir: Path, warn: Callable[[str], None] | None = None) -> tuple[Path, dict[str, Any]] | None:
