@@ -149,12 +149,34 @@ def write_manifest(folder: Path, step: int) -> list[Path]:
 
 
 def _prune(ckpt_dir: Path, final: Path, keep: int) -> None:
-    """Keep the ``keep`` newest checkpoints up to ``final``, the one just written. Those of later steps were
-    left by the run this one resumed before (damaged ones it passed over): it writes their steps again."""
-    done = complete_checkpoints(ckpt_dir)
-    line = [p for p in done if p.name <= final.name]
-    for old in [*line[: max(0, len(line) - max(1, keep))], *(p for p in done if p.name > final.name)]:
-        shutil.rmtree(old, ignore_errors=True)
+    """Keep the ``keep`` newest intact checkpoints up to ``final``, the one just written, and remove every other
+    folder: the older intact ones beyond ``keep``; those before ``final`` that lost files (a deletion cut
+    short, a truncated file), which no resume can use and which would otherwise stay for good; and those of
+    later steps, left by the run this one resumed before (damaged ones it passed over): it writes their steps
+    again. ``final`` itself always stays, so the newest usable checkpoint is never removed."""
+    folders = sorted((p for p in ckpt_dir.glob(f"{PREFIX}*") if p.is_dir()), key=lambda p: p.name)
+    intact = [p for p in folders if p.name < final.name and _intact(p)]
+    kept = set(intact[max(0, len(intact) - (max(1, keep) - 1)):])
+    for old in folders:
+        if old != final and old not in kept:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _intact(path: Path) -> bool:
+    """True for a checkpoint folder that holds all its files: its data files, and every file its manifest lists
+    at the size it lists. Sizes only, no hashes (pruning runs at every checkpoint): what an interrupted
+    deletion or a truncated write leaves is found, a flipped byte is not. A consolidated checkpoint without a
+    manifest (written before manifests) counts as intact; a sharded one always had its manifest."""
+    if _missing(path):
+        return False
+    if not (path / MANIFEST).is_file():
+        return not is_sharded(path)
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+        sizes = {n: int(f["bytes"]) for n, f in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return all((path / n).is_file() and (path / n).stat().st_size == size for n, size in sizes.items())
 
 
 def remove_stale_temps(ckpt_dir: Path) -> list[Path]:
