@@ -133,6 +133,6 @@ def test_sigterm_before_training_is_one_line_and_leaves_no_folder(root):
     _, err = proc.communicate(timeout=60)
     LEDGER.injected += 1
     assert proc.returncode == 143, err
-    assert err.strip().splitlines() == ["qklab: stopped by SIGTERM; the last checkpoint is intact (continue with "
-                                        "--resume)"]
+    assert err.strip().splitlines() == ["qklab: stopped by SIGTERM; no checkpoint was written yet, so there is nothing "
+                                        "to resume: run the command again without --resume"]
     assert not (root / "runs" / "early").exists()

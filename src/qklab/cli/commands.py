@@ -24,9 +24,11 @@ from qklab.version import version_line
 
 
 def _train(args: argparse.Namespace) -> int:
+    from qklab.train.startup import run_name
     from qklab.train.trainer import Trainer
 
     cfg = load_config(args.config, args.set)
+    args.ckpt_dir = Path(cfg.train.out_dir) / run_name(cfg) / "ckpt"  # what a stop's hint looks at (_go_on)
     res = Trainer(cfg, resume=args.resume, overwrite=args.overwrite).run()
     if not res.main:  # under torchrun, rank 0 reports for the run
         return 0
@@ -289,10 +291,26 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def _os_error(e: OSError) -> str:
+def _go_on(args: argparse.Namespace) -> str:
+    """How to go on after a command stopped early. A run is offered --resume only where a checkpoint is there
+    to resume from: one stopped before its first checkpoint starts again without it."""
+    if args.cmd != "train":
+        return "nothing half-written is left; run the same command again"
+    ckpt = getattr(args, "ckpt_dir", None)
+    if ckpt is None:  # stopped before its config was read
+        return "run the same command again"
+    from qklab.train.checkpointer import Checkpointer
+
+    if Checkpointer.has_checkpoints(ckpt):
+        return "the last checkpoint is intact (continue with --resume)"
+    return "no checkpoint was written yet, so there is nothing to resume: run the command again without --resume"
+
+
+def _os_error(e: OSError, args: argparse.Namespace) -> str:
     where = f" ({e.filename})" if e.filename else ""
-    hint = {errno.ENOSPC: "free some space, then continue with --resume",
-            errno.EDQUOT: "free some space, then continue with --resume",
+    full = f"free some space; {_go_on(args)}" if args.cmd == "train" else \
+        "free some space, then run the same command again"
+    hint = {errno.ENOSPC: full, errno.EDQUOT: full,
             errno.EACCES: "check the permissions, or choose another folder",
             errno.EROFS: "the file system is read-only; choose another folder",
             errno.ENOENT: "check the path"}.get(e.errno, "check the path and the disk")
@@ -322,18 +340,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qklab: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except OSError as e:  # a missing, unreadable or unwritable path, a full disk: the user's to fix
-        print(f"qklab: error: {_os_error(e)}", file=sys.stderr)
+        print(f"qklab: error: {_os_error(e, args)}", file=sys.stderr)
         return 2
     except NonFiniteError as e:
         print(f"qklab: stopped: {_one_line(e)}", file=sys.stderr)
         return 1
-    except RunInterrupted as e:
-        print(f"qklab: {e}", file=sys.stderr)
+    except RunInterrupted as e:  # after its checkpoint (the training loop), or before anything was written
+        print(f"qklab: {e}" + ("" if e.checkpoint is not None else f"; {_go_on(args)}"), file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        hint = "the last checkpoint is intact (continue with --resume)" if args.cmd == "train" else \
-            "nothing half-written is left; run the same command again"
-        print(f"qklab: interrupted; {hint}", file=sys.stderr)
+        print(f"qklab: interrupted; {_go_on(args)}", file=sys.stderr)
         return 130
     except Exception as e:
         if _out_of_memory(e):

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import signal
 import threading
+from pathlib import Path
 from types import FrameType
 
 
 class RunInterrupted(Exception):
-    """The run stopped on a signal after writing a checkpoint; ``exit_code`` is 128 + the signal number."""
+    """A command stopped on a signal; ``exit_code`` is 128 + the signal number. ``checkpoint``: the one the
+    training loop wrote before it stopped (None: stopped outside it, where the command says how to go on)."""
 
-    def __init__(self, message: str, signum: int) -> None:
+    def __init__(self, message: str, signum: int, checkpoint: Path | None = None) -> None:
         super().__init__(message)
         self.exit_code = 128 + signum
+        self.checkpoint = checkpoint
 
 
 class StopSignals:
@@ -61,8 +64,7 @@ class StopSignals:
 
 
 def _terminated(signum: int, _frame: FrameType | None) -> None:
-    raise RunInterrupted(f"stopped by {signal.Signals(signum).name}; the last checkpoint is intact (continue with "
-                         "--resume)", signum)
+    raise RunInterrupted(f"stopped by {signal.Signals(signum).name}", signum)
 
 
 class TermRaises:

@@ -334,10 +334,12 @@ class Trainer:
         policy = self.cfg.train.nonfinite
         self.metrics.log(step, event=f"nonfinite_{policy}", loss=loss, grad_norm=gnorm)
         if policy == "stop":
+            good = self.checkpointer.latest()
+            then = "continue with --resume" if good is not None else "run it again without --resume (none to resume)"
             raise NonFiniteError(f"non-finite {what} at step {step} (loss {loss}, grad norm {gnorm}); stopped, and "
                                  "no weights of that step or later were saved (train.nonfinite=stop). Last good "
-                                 f"checkpoint: {self.checkpointer.latest() or 'none'}; lower train.lr or set "
-                                 "train.nonfinite=skip, then continue with --resume")
+                                 f"checkpoint: {good or 'none'}; lower train.lr or set train.nonfinite=skip, then "
+                                 f"{then}")
         self._echo(f"step {step}: non-finite {what}; step skipped (train.nonfinite=skip)")
 
     def evaluate(self) -> dict[str, float]:
@@ -424,4 +426,4 @@ class Trainer:
         path = self.save() if self._saved_at != self.step else self.ckpt_dir / f"step_{self.step:07d}"
         self.metrics.log(self.step, event="signal", signal=name)
         raise RunInterrupted(f"stopped by {name} at step {self.step}; checkpoint {path} written; continue with "
-                             "--resume", signum)
+                             "--resume", signum, path)
