@@ -17,6 +17,8 @@ import torch
 import qklab.rundir.checkpoint as ck
 import qklab.train.trainer as tr
 from qklab.cli import main
+from qklab.diagnostics.stability import NonFiniteError
+from qklab.train.signals import RunInterrupted
 
 AGAIN = "no checkpoint was written yet, so there is nothing to resume: run the command again without --resume"
 RESUME = "the last checkpoint is intact (continue with --resume)"
@@ -123,3 +125,24 @@ def test_a_non_finite_stop_before_the_first_checkpoint_is_not_told_to_resume(tmp
     assert err[0].startswith("qklab: stopped: non-finite loss at step 3") and "--resume" in err[0]
     assert err[0].endswith("Last good checkpoint: none; lower train.lr or set train.nonfinite=skip, then run it "
                            "again without --resume (none to resume)"), err
+
+
+@pytest.mark.parametrize("stop, code", [
+    (RunInterrupted("stopped by SIGTERM at step 3; checkpoint c written; continue with --resume", 15, Path("c")), 143),
+    (KeyboardInterrupt(), 130),
+    (NonFiniteError("non-finite loss at step 3"), 1),
+])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_a_launcher_rank_0_alone_prints_the_stop_line(monkeypatch, stop, code, rank):
+    """Every rank of a torchrun run stops at the same step with the same exit code; one line, rank 0's
+    (tests/parallel/test_launch.py stops a real two-process run)."""
+    import qklab.cli.commands as commands
+
+    def stopped(_args):
+        raise stop
+
+    monkeypatch.setattr(commands, "_train", stopped)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", str(rank))
+    got, err, _ = _cli(["train"])
+    assert got == code and len(err) == (1 if rank == 0 else 0), err

@@ -35,6 +35,38 @@ def test_torchrun_ddp_cli(tmp_path):
     assert cfg["train"]["parallel"] == "ddp"
 
 
+# qklab train with rank 1 sending itself SIGTERM during step 3: both ranks stop after step 3's checkpoint
+SIGTERM_RANK1 = """
+import os, signal, sys
+import qklab.train.trainer as tr
+_step = tr.Trainer.train_step
+def train_step(self):
+    if self.dist.rank == 1 and self.step == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return _step(self)
+tr.Trainer.train_step = train_step
+from qklab.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_torchrun_stop_line_is_rank_0s_alone(tmp_path):
+    """SIGTERM to one process of a torchrun run: the ranks stop together after step 3's checkpoint
+    (test_signal_dist.py), and the stop line is printed once, rank 0's, not once per rank."""
+    script = tmp_path / "stop.py"
+    script.write_text(SIGTERM_RANK1)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(script), *_args(tmp_path, "train.parallel=ddp", "train.steps=6")[2:]]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    assert p.returncode != 0
+    stops = [ln for ln in (p.stdout + p.stderr).splitlines() if "stopped by SIGTERM" in ln]
+    ckpt = tmp_path / "runs" / "cli" / "ckpt" / "step_0000003"
+    assert stops == [f"qklab: stopped by SIGTERM at step 3; checkpoint {ckpt} written; continue with --resume"], \
+        p.stderr[-3000:]
+    assert (ckpt / "manifest.json").is_file()
+
+
 def test_launcher_without_parallel_is_one_line(tmp_path):
     env = {**ENV, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
     p = subprocess.run([sys.executable, *_args(tmp_path)], capture_output=True, text=True, env=env, timeout=120)

@@ -3,14 +3,16 @@
 User mistakes print one line (``qklab: error: ...``) and exit with code 2, without a traceback: bad
 options and config values, missing or unwritable files (any OSError), damaged input. A run stopped by
 SIGTERM/SIGINT exits with 128 + the signal number after its checkpoint, a non-finite stop (or too many
-skipped steps) with 1. Output into a pipe its reader closed (``qklab ... | head``) stops quietly with 141
-(128 + SIGPIPE), as other commands do. Anything else is a bug: its traceback is printed with the run's log path, exit 1.
+skipped steps) with 1; under torchrun every rank stops so, and rank 0 alone prints the line. Output into a
+pipe its reader closed (``qklab ... | head``) stops quietly with 141 (128 + SIGPIPE), as other commands do.
+Anything else is a bug: its traceback is printed with the run's log path, exit 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import os
 import signal
 import sys
 import traceback
@@ -317,6 +319,17 @@ def _os_error(e: OSError, args: argparse.Namespace) -> str:
     return f"{e.strerror or _one_line(e)}{where}; {hint}"
 
 
+def _speaks() -> bool:
+    """False on the processes a launcher (torchrun) started besides rank 0 (``qklab.parallel.context.launched``,
+    read here without torch): a stop reaches every rank at the same step, and rank 0 says so once."""
+    return int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("RANK", "0") == "0"
+
+
+def _stop_line(line: str) -> None:
+    if _speaks():
+        print(line, file=sys.stderr)
+
+
 def _out_of_memory(e: BaseException) -> bool:
     return isinstance(e, MemoryError) or "out of memory" in str(e).lower() or "can't allocate memory" in str(e)
 
@@ -343,13 +356,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qklab: error: {_os_error(e, args)}", file=sys.stderr)
         return 2
     except NonFiniteError as e:
-        print(f"qklab: stopped: {_one_line(e)}", file=sys.stderr)
+        _stop_line(f"qklab: stopped: {_one_line(e)}")
         return 1
     except RunInterrupted as e:  # after its checkpoint (the training loop), or before anything was written
-        print(f"qklab: {e}" + ("" if e.checkpoint is not None else f"; {_go_on(args)}"), file=sys.stderr)
+        _stop_line(f"qklab: {e}" + ("" if e.checkpoint is not None else f"; {_go_on(args)}"))
         return e.exit_code
     except KeyboardInterrupt:
-        print(f"qklab: interrupted; {_go_on(args)}", file=sys.stderr)
+        _stop_line(f"qklab: interrupted; {_go_on(args)}")
         return 130
     except Exception as e:
         if _out_of_memory(e):
