@@ -42,3 +42,34 @@ def test_without_a_control_the_variants_follow_the_heading_at_once(tmp_path, mon
     assert _headings(md) == ["## What these results say", "### Registered questions"]
     first = md.split("## What these results say\n\n", 1)[1].splitlines()[0]
     assert first.startswith("- **"), first
+
+
+def test_variants_of_a_grid_are_ranked_within_each_grid_point(tmp_path):
+    """A ladder of widths: one bullet per width, in the grid's order, each with its variants ranked by report
+    loss and their numbers as computed directly from the planted results (not one ranking across widths)."""
+    from tests.report.test_ladder import GAP, NOISE, _ladder  # planted: qkmap = none - GAP[width][seed]
+
+    _ladder(tmp_path)
+    md = (write_report([tmp_path / "ladder"], out=tmp_path / "rep") / "report.md").read_text()
+    opening = md.split("## What these results say\n\n", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
+    assert not (tmp_path / "rep" / "scale_sensitivity.png").exists()  # no size known (no n_params): no figure
+    points = [ln for ln in opening.splitlines() if ln.startswith("- at ")]
+    assert points == [f"- at **shape={w}**:" for w in (64, 128, 256)]
+    for w in (64, 128, 256):
+        block = [ln for ln in opening.split(f"- at **shape={w}**:\n", 1)[1].split("\n- at ", 1)[0].splitlines()
+                 if ln.startswith("  - ")]
+        base = 5.0 + sum(NOISE) / len(NOISE) - 0.1 * (w // 64)  # none's mean report loss at x1
+        gap = sum(GAP[w]) / len(GAP[w])
+        assert [ln.split("**")[1] for ln in block] == ["qkmap", "none"]  # best first, the point not repeated
+        assert f"report loss {base - gap:.3f}" in block[0] and f"; {-gap:+.3f} vs none" in block[0]
+        assert f"report loss {base:.3f}" in block[1]
+
+
+def test_a_report_of_one_grid_point_keeps_one_ranking(tmp_path):
+    from tests.report.test_ladder import _ladder
+
+    _ladder(tmp_path, widths=(128,))
+    md = (write_report([tmp_path / "ladder"], out=tmp_path / "rep") / "report.md").read_text()
+    opening = md.split("## What these results say\n\n", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
+    bullets = [ln for ln in opening.splitlines() if ln.startswith("- ")]
+    assert [b.split("**")[1] for b in bullets] == ["qkmap \\[shape=128\\]", "none \\[shape=128\\]"]

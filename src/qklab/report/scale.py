@@ -139,7 +139,15 @@ def scale_data(rows: list[MethodScale]) -> dict[str, Any]:
 
 
 def draw_scale(data: dict[str, Any], path: Path, colour: dict[str, str]) -> Path | None:
-    """LR sensitivity against non-embedding parameters (log x), one line per method, one panel per study."""
+    """LR sensitivity against non-embedding parameters (log x), one line per method, one panel per study.
+    A size the results do not give (NaN) or a sensitivity not measured is left out; a study with no point
+    left has no panel, and no study with one no figure."""
+    def drawn(s: dict[str, Any]) -> np.ndarray:
+        x, y = np.array(s["size"], dtype=float), np.array(s["mean"], dtype=float)
+        return np.isfinite(x) & (x > 0) & np.isfinite(y)
+
+    data = {study: kept for study, series in data.items()
+            if (kept := {label: s for label, s in series.items() if drawn(s).any()})}
     if not data:
         return None
     from qklab.report.figures import _plt
@@ -148,8 +156,9 @@ def draw_scale(data: dict[str, Any], path: Path, colour: dict[str, str]) -> Path
     fig, axes = plt.subplots(1, len(data), figsize=(6 * len(data), 4), squeeze=False)
     for ax, (study, series) in zip(axes.flat, sorted(data.items()), strict=True):
         for label, s in series.items():
-            x, y = np.array(s["size"], dtype=float), np.array(s["mean"], dtype=float)
-            lo, hi = np.array(s["lo"], dtype=float), np.array(s["hi"], dtype=float)
+            keep = drawn(s)
+            x, y = np.array(s["size"], dtype=float)[keep], np.array(s["mean"], dtype=float)[keep]
+            lo, hi = np.array(s["lo"], dtype=float)[keep], np.array(s["hi"], dtype=float)[keep]
             c = colour.get(label, "#333333")
             ax.plot(x, y, "o-", color=c, label=f"{label} (slope {s['slope']:+.3f}/decade)", gid=label)
             ok = np.isfinite(lo) & np.isfinite(hi)

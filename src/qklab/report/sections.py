@@ -64,18 +64,36 @@ class Report:
 
 def summary_lines(groups: list[Group], cells: Cells, limit: int = 12) -> list[str]:
     """The opening block, per variant at its chosen rate: the report loss with its interval and its paired
-    difference to the reference; ordered by report loss, at most ``limit`` (the rest: the results table)."""
+    difference to the reference; ordered by report loss, at most ``limit`` (the rest: the results table).
+    Where the groups span several grid points (widths, say) or studies, one bullet per point of each study, in
+    their order, with its variants ranked under it: one ranking across them would mix model sizes, settings
+    or data."""
+    points = list(dict.fromkeys((g.study, g.point) for g in groups))
+    if len(points) < 2:
+        return _ranked(groups, cells, limit, point=True)
+    lines = []
+    for study, point in points:
+        members = [g for g in groups if (g.study, g.point) == (study, point)]
+        at = f" at **{md_text(point)}**" if point else ""
+        lines.append(f"- `{study}`{at}:" if members[0].multi else f"-{at or ' at **no grid point**'}:")
+        lines += ["  " + line for line in _ranked(members, cells, limit, point=False)]
+    return lines
+
+
+def _ranked(groups: list[Group], cells: Cells, limit: int, point: bool) -> list[str]:
+    """``summary_lines``'s bullets for ``groups``, best report loss first; ``point``: name the grid point."""
     ranked = sorted(groups, key=lambda g: (g.chosen is None, g.stats["report_loss"].mean
                                            if g.stats["report_loss"].n else math.inf))
     lines = []
     for g in ranked[:limit]:
-        name, st, ch = variant_name(g, study=False), g.stats["report_loss"], g.chosen
-        where = f" (`{g.study}`)" if g.multi else ""
+        full, st, ch = variant_name(g, study=False), g.stats["report_loss"], g.chosen
+        name = full if point else g.variant
+        where = f" (`{g.study}`)" if g.multi and point else ""
         if ch is None or not st.n:
             lines.append(f"- **{md_text(name)}**{where}: no rate eligible (every rate diverged, did not learn or "
                          "failed)")
             continue
-        at = cells.link(cell_paths(g, ch), f"{name} ({g.study}) at its chosen rate x{ch:g}")
+        at = cells.link(cell_paths(g, ch), f"{full} ({g.study}) at its chosen rate x{ch:g}")
         loss = f"report loss {st.mean:.3f}, 95% CI {abs_ci(st.ci_lo, st.ci_hi)}, n={st.n}"
         line = (f"- **{md_text(name)}**{where} at {g.chosen_lr:.3g} (x{ch:g}{grid_edge(ch, g.sweep)}): "
                 + (f"[{md_text(loss)}]({at})" if at else md_text(loss)))
