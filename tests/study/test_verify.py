@@ -77,6 +77,33 @@ def test_verify_compares_probes_and_rehashes_the_config(tmp_path, capsys):
     assert "cell_hash: the recorded config hashes to" in capsys.readouterr().out
 
 
+def test_a_measurement_added_since_the_commit_is_named_not_a_difference(tmp_path, capsys):
+    """A cell committed before the code measured a value (the retrieval probe's contrast, say) verifies: the
+    values it holds are compared bit for bit, the new ones are named as not compared; a value the committed
+    result holds and the retrained one lacks is still a difference."""
+    sets = {**SETS, "train.steps": 40, "train.eval_every": 20, "train.ckpt_every": 20, "train.diag_every": 20,
+            "train.lr": 3e-3, "data.cache_dir": str(tmp_path / "cache")}
+    raw = {"study": {"config": "tiny", "seeds": [0], "set": sets},
+           "variants": {"a": {"qk.method": "none"}}, "protocol": {"probe": 1}}
+    res_dir = tmp_path / "res"
+    run_study(parse_study(raw, "v"), tmp_path / "o", res_dir, workers=0, threads=1, log=lambda s: None)
+    path = res_dir / "a_lr1_s0" / "result.json"
+    res = read_result(path)
+    retrieval = res["probe"]["retrieval"]
+    assert all("contrast" in r for r in retrieval)
+    for r in retrieval:  # as committed by code from before the contrast was measured
+        del r["contrast"]
+    write_json_atomic(path, res)
+    assert main(["study", "verify", str(res_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "a_lr1_s0: identical, bit for bit" in out
+    assert f"not compared: {len(retrieval)} value(s)" in out and "probe.retrieval[0].contrast" in out
+    res["final"]["gone_since"] = 1.0  # a value the committed result holds that this code no longer writes
+    write_json_atomic(path, res)
+    assert main(["study", "verify", str(res_dir)]) == 1
+    assert "final.gone_since: missing here" in capsys.readouterr().out
+
+
 def test_verify_draws_among_each_named_variant(tmp_path, capsys):
     """--variant a,b: --cells of each variant's finished cells; a variant with none is one line, exit 2."""
     raw = {"study": {"config": "tiny", "seeds": [0, 1], "set": {**SETS, "data.cache_dir": str(tmp_path / "cache")}},

@@ -29,6 +29,7 @@ class Verdict:
     same: bool
     differences: list[str] = field(default_factory=list)  # 'final.report_loss: 4.43 here, 4.4300000000000001 committed'
     note: str = ""  # on a difference: where the two ran, and how far apart the final losses ended
+    added: list[str] = field(default_factory=list)  # paths only the retrained result holds: not compared
 
 
 def _hardware(m: dict[str, Any]) -> tuple:
@@ -91,19 +92,25 @@ def _canonical(v: Any) -> str:
     return json.dumps(_finite(v), sort_keys=True)
 
 
-def _differences(new: Any, old: Any, path: str = "") -> list[str]:
-    """Where two JSON values differ, by path (floats compared by their exact repr: bit for bit)."""
+def _differences(new: Any, old: Any, path: str = "", added: list[str] | None = None) -> list[str]:
+    """Where two JSON values differ, by path (floats compared by their exact repr: bit for bit). A key only
+    the retrained result holds (a measurement added to the code after the cell was committed) cannot be
+    compared: it goes to ``added``, not among the differences; a key only the committed result holds is one."""
     if isinstance(new, dict) and isinstance(old, dict):
         out = []
         for k in sorted(set(new) | set(old), key=str):
             p = f"{path}.{k}" if path else str(k)
-            if k not in new or k not in old:
-                out.append(f"{p}: {'missing here' if k not in new else 'not in the committed result'}")
+            if k not in new:
+                out.append(f"{p}: missing here")
+            elif k not in old:
+                (added if added is not None else out).append(p if added is not None
+                                                             else f"{p}: not in the committed result")
             else:
-                out += _differences(new[k], old[k], p)
+                out += _differences(new[k], old[k], p, added)
         return out
     if isinstance(new, list) and isinstance(old, list) and len(new) == len(old):
-        return [d for i, (a, b) in enumerate(zip(new, old, strict=True)) for d in _differences(a, b, f"{path}[{i}]")]
+        return [d for i, (a, b) in enumerate(zip(new, old, strict=True))
+                for d in _differences(a, b, f"{path}[{i}]", added)]
     a, b = _canonical(new), _canonical(old)
     return [] if a == b else [f"{path}: {a[:60]} retrained, {b[:60]} committed"]
 
@@ -167,9 +174,10 @@ def verify_cell(res: dict[str, Any], out: Path, log=print, results: Path | None 
 
         new["probe"] = _probe(run_dir, _probe_mult(res, cfg, results))
         keys.append("probe")
-    diffs = hashed + _differences({k: new.get(k) for k in keys}, {k: res.get(k) for k in keys})
+    added: list[str] = []
+    diffs = hashed + _differences({k: new.get(k) for k in keys}, {k: res.get(k) for k in keys}, added=added)
     return Verdict(res["cell"], not diffs, diffs, machine_note(res.get("machines"), new.get("machines"), new, res)
-                   if diffs else "")
+                   if diffs else "", added)
 
 
 def verify_results(results: Path, cells: int = 1, seed: int | None = None, out: Path | None = None,
@@ -239,6 +247,10 @@ def verify_results(results: Path, cells: int = 1, seed: int | None = None, out: 
             v = verify_cell(res, tmp, log=lambda s: None, results=results)
             log(f"  {v.cell}: " + ("identical, bit for bit" if v.same else
                                    f"DIFFERS in {len(v.differences)} value(s): " + "; ".join(v.differences[:3])))
+            if v.added:
+                log(f"    not compared: {len(v.added)} value(s) this code measures that the committed result does "
+                    f"not hold (measured since it was committed): {', '.join(v.added[:3])}"
+                    + (", ..." if len(v.added) > 3 else ""))
             if v.note:
                 log(f"    where: {v.note}")
             verdicts.append(v)
