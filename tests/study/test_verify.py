@@ -53,14 +53,20 @@ def test_verify_without_results_is_one_line(tmp_path, capsys):
     assert err.startswith("qklab: error:") and "no finished" in err and "\n" not in err
 
 
-def test_verify_compares_probes_and_rehashes_the_config(tmp_path, capsys):
+def _probed_cell(tmp_path):
+    """One cell trained below the unigram entropy, with its attention probes: (results folder, result.json)."""
     sets = {**SETS, "train.steps": 40, "train.eval_every": 20, "train.ckpt_every": 20, "train.diag_every": 20,
-            "train.lr": 3e-3, "data.cache_dir": str(tmp_path / "cache")}  # trained below the unigram entropy
+            "train.lr": 3e-3, "data.cache_dir": str(tmp_path / "cache")}
     raw = {"study": {"config": "tiny", "seeds": [0], "set": sets},
            "variants": {"a": {"qk.method": "none"}}, "protocol": {"probe": 1}}
     res_dir = tmp_path / "res"
     run_study(parse_study(raw, "v"), tmp_path / "o", res_dir, workers=0, threads=1, log=lambda s: None)
     path = res_dir / "a_lr1_s0" / "result.json"
+    return res_dir, path
+
+
+def test_verify_compares_probes_and_rehashes_the_config(tmp_path, capsys):
+    res_dir, path = _probed_cell(tmp_path)
     res = read_result(path)
     assert not res["diverged"] and res["probe"]["retrieval"]
     assert main(["study", "verify", str(res_dir)]) == 0
@@ -81,13 +87,7 @@ def test_a_measurement_added_since_the_commit_is_named_not_a_difference(tmp_path
     """A cell committed before the code measured a value (the retrieval probe's contrast, say) verifies: the
     values it holds are compared bit for bit, the new ones are named as not compared; a value the committed
     result holds and the retrained one lacks is still a difference."""
-    sets = {**SETS, "train.steps": 40, "train.eval_every": 20, "train.ckpt_every": 20, "train.diag_every": 20,
-            "train.lr": 3e-3, "data.cache_dir": str(tmp_path / "cache")}
-    raw = {"study": {"config": "tiny", "seeds": [0], "set": sets},
-           "variants": {"a": {"qk.method": "none"}}, "protocol": {"probe": 1}}
-    res_dir = tmp_path / "res"
-    run_study(parse_study(raw, "v"), tmp_path / "o", res_dir, workers=0, threads=1, log=lambda s: None)
-    path = res_dir / "a_lr1_s0" / "result.json"
+    res_dir, path = _probed_cell(tmp_path)
     res = read_result(path)
     retrieval = res["probe"]["retrieval"]
     assert all("contrast" in r for r in retrieval)
