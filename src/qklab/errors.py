@@ -13,6 +13,11 @@
 
 What is not here is not the user's: a non-finite stop (``diagnostics.stability.NonFiniteError``, exit 1),
 a signal (``train.signals.RunInterrupted``, exit 128 + N), and anything else, which is a bug in qklab.
+
+Under a launcher (torchrun) every process exits 2 on such an error, and rank 0 prints its line. Another rank
+prints its own, marked ``(rank N)``, unless the error is known to be rank 0's too (``alike``): compared at an
+agreement (``parallel.context.DistContext.agree``), or one that the command line alone decides, which every
+process one launcher started hits alike.
 """
 
 from __future__ import annotations
@@ -68,3 +73,19 @@ class RunLockError(UserError):
     def __init__(self, msg: str, holder: str = "unknown") -> None:
         super().__init__(msg)
         self.holder = holder
+
+
+RANK_0_SAYS = "rank 0 says it"  # rank 0 raised this same error (compared), or names the rank that failed
+LOCAL_RANK_0_SAYS = "local rank 0 says it"  # decided by the command line and its files alone (the config)
+
+
+def alike(e: BaseException, how: str) -> BaseException:
+    """Mark ``e`` as one that another process of a launched run prints (``RANK_0_SAYS``, ``LOCAL_RANK_0_SAYS``);
+    returns ``e``."""
+    e.qklab_alike = how  # type: ignore[attr-defined]
+    return e
+
+
+def alike_how(e: BaseException) -> str | None:
+    """What ``alike`` marked ``e`` with; None: not known to be any other process's error."""
+    return getattr(e, "qklab_alike", None)

@@ -67,6 +67,60 @@ def test_torchrun_stop_line_is_rank_0s_alone(tmp_path):
     assert (ckpt / "manifest.json").is_file()
 
 
+def _torchrun(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+
+
+def _errors(p: subprocess.CompletedProcess) -> list[str]:
+    return [ln for ln in (p.stdout + p.stderr).splitlines() if ln.startswith("qklab: error")]
+
+
+def test_torchrun_error_every_rank_hits_is_printed_once(tmp_path):
+    """A mistake every rank makes alike is rank 0's line alone: a bad config value (the command line's, read
+    before the ranks meet) and --resume with nothing to resume (compared as the ranks agree to stop)."""
+    p = _torchrun(tmp_path, *_args(tmp_path, "train.parallel=ddp", "train.steps=-1"))
+    assert p.returncode != 0
+    assert _errors(p) == ["qklab: error: train.steps=-1 is out of range: it must be > 0"], p.stderr[-3000:]
+    p = _torchrun(tmp_path, *_args(tmp_path, "train.parallel=ddp"), "--resume")
+    assert p.returncode != 0
+    ckpt = tmp_path / "runs" / "cli" / "ckpt"
+    assert _errors(p) == [f"qklab: error: --resume: no usable checkpoint in {ckpt}; start the run without --resume"], \
+        p.stderr[-3000:]
+
+
+# qklab train where rank 1 alone cannot read its data (its own disk, its own file)
+RANK1_ERROR = """
+import errno, os, sys
+import qklab.train.trainer as tr
+_prepare = tr.prepare_data
+def prepare_data(*a, **k):
+    if os.environ["RANK"] == "1":
+        raise OSError(errno.ENOENT, os.strerror(errno.ENOENT), "/rank1/own/file")
+    return _prepare(*a, **k)
+tr.prepare_data = prepare_data
+from qklab.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_torchrun_error_of_rank_1_alone_is_printed_by_rank_1(tmp_path):
+    """An error rank 1 alone meets is printed by rank 1, marked as its own; rank 0 stops too and, where the
+    launcher lets it, names rank 1, and nothing is printed twice."""
+    script = tmp_path / "rank1.py"
+    script.write_text(RANK1_ERROR)
+    p = _torchrun(tmp_path, str(script), *_args(tmp_path, "train.parallel=ddp")[2:])
+    assert p.returncode != 0
+    lines = _errors(p)
+    own = "qklab: error (rank 1): No such file or directory (/rank1/own/file); check the path"
+    named = ("qklab: error: another process of this run failed to start (rank 1); its line says why, marked (rank 1), "
+             "or the launcher's log of that rank")
+    assert own in lines, p.stderr[-3000:]
+    assert set(lines) <= {own, named} and len(lines) == len(set(lines)), lines
+
+
 def test_launcher_without_parallel_is_one_line(tmp_path):
     env = {**ENV, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
     p = subprocess.run([sys.executable, *_args(tmp_path)], capture_output=True, text=True, env=env, timeout=120)

@@ -3,9 +3,12 @@
 User mistakes print one line (``qklab: error: ...``) and exit with code 2, without a traceback: bad
 options and config values, missing or unwritable files (any OSError), damaged input. A run stopped by
 SIGTERM/SIGINT exits with 128 + the signal number after its checkpoint, a non-finite stop (or too many
-skipped steps) with 1; under torchrun every rank stops so, and rank 0 alone prints the line. Output into a
-pipe its reader closed (``qklab ... | head``) stops quietly with 141 (128 + SIGPIPE), as other commands do.
-Anything else is a bug: its traceback is printed with the run's log path, exit 1.
+skipped steps) with 1; under torchrun every rank stops so, and rank 0 alone prints the line. An error line
+under torchrun: every rank exits 2 and rank 0 prints its line; another rank prints its own, marked
+``qklab: error (rank N): ...``, unless its error is known to be rank 0's too (``qklab.errors.alike``: compared
+as the ranks agree to stop, or decided by the command line alone). Output into a pipe its reader closed
+(``qklab ... | head``) stops quietly with 141 (128 + SIGPIPE), as other commands do. Anything else is a bug:
+its traceback is printed with the run's log path, exit 1.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ import errno
 import os
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
 from qklab.config import load_config, preset_names
 from qklab.diagnostics.stability import NonFiniteError
-from qklab.errors import UserError
+from qklab.errors import LOCAL_RANK_0_SAYS, RANK_0_SAYS, UserError, alike, alike_how
 from qklab.train.signals import RunInterrupted, TermRaises
 from qklab.version import version_line
 
@@ -29,7 +33,10 @@ def _train(args: argparse.Namespace) -> int:
     from qklab.train.startup import run_name
     from qklab.train.trainer import Trainer
 
-    cfg = load_config(args.config, args.set)
+    try:
+        cfg = load_config(args.config, args.set)
+    except (UserError, OSError) as e:  # the command line's and its files': alike on every rank torchrun started
+        raise alike(e, LOCAL_RANK_0_SAYS) from None
     args.ckpt_dir = Path(cfg.train.out_dir) / run_name(cfg) / "ckpt"  # what a stop's hint looks at (_go_on)
     res = Trainer(cfg, resume=args.resume, overwrite=args.overwrite).run()
     if not res.main:  # under torchrun, rank 0 reports for the run
@@ -157,7 +164,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors: ``qklab: error: ...`` and exit code 2, no usage block."""
 
     def error(self, message: str):
-        self.exit(2, f"qklab: error: {message} (see {self.prog} --help)\n")
+        line = _error_line(f"{message} (see {self.prog} --help)", alike(UserError(message), LOCAL_RANK_0_SAYS))
+        self.exit(2, None if line is None else line + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -325,6 +333,36 @@ def _speaks() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("RANK", "0") == "0"
 
 
+def _error_line(msg: str, e: BaseException) -> str | None:
+    """The line of an error that exits 2: ``qklab: error: msg`` (one process, or rank 0 under torchrun);
+    None where another process prints the same (``e`` marked ``alike``: rank 0 has it too; or the command
+    line's, said by the launcher's first process on this machine); else ``qklab: error (rank N): msg``, a
+    line that rank alone may see (its own disk, its own file). A line of unknown kind is rather printed twice
+    than lost: with 8 ranks, the worst case is rank 0's line and seven marked ones."""
+    if _speaks():
+        return f"qklab: error: {msg}"
+    how = alike_how(e)
+    if how == RANK_0_SAYS:
+        return None
+    # torchrun (TORCHELASTIC_RUN_ID) gives every process it starts here the same command line and files
+    if how == LOCAL_RANK_0_SAYS and "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("LOCAL_RANK", "0") != "0":
+        return None
+    return f"qklab: error (rank {os.environ.get('RANK', '?')}): {msg}"
+
+
+QUIET_GRACE_S = 1.0  # how long a rank that leaves its line to another waits before it exits (_error)
+
+
+def _error(msg: str, e: BaseException) -> None:
+    """Print the error's line (``_error_line``); a process that leaves it to another waits a moment before it
+    exits: torchrun stops every process once one has exited, and the one printing should not be stopped first."""
+    line = _error_line(msg, e)
+    if line is not None:
+        print(line, file=sys.stderr)
+    else:
+        time.sleep(QUIET_GRACE_S)
+
+
 def _stop_line(line: str) -> None:
     if _speaks():
         print(line, file=sys.stderr)
@@ -350,10 +388,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return closed_pipe()
     except UserError as e:
-        print(f"qklab: error: {_one_line(e)}", file=sys.stderr)
+        _error(_one_line(e), e)
         return 2
     except OSError as e:  # a missing, unreadable or unwritable path, a full disk: the user's to fix
-        print(f"qklab: error: {_os_error(e, args)}", file=sys.stderr)
+        _error(_os_error(e, args), e)
         return 2
     except NonFiniteError as e:
         _stop_line(f"qklab: stopped: {_one_line(e)}")
@@ -366,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:
         if _out_of_memory(e):
-            print("qklab: error: out of memory; lower model sizes, train.batch_size or train.seq_len", file=sys.stderr)
+            _error("out of memory; lower model sizes, train.batch_size or train.seq_len", e)
             return 2
         traceback.print_exc()
         log = next((n[len("run log: "):] for n in getattr(e, "__notes__", []) if n.startswith("run log: ")), None)

@@ -17,8 +17,14 @@ import torch
 import torch.distributed as tdist
 
 from qklab.config import ConfigError
+from qklab.errors import LOCAL_RANK_0_SAYS, RANK_0_SAYS, alike
 
 _OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
+
+
+def _identity(e: BaseException) -> str:
+    """What two ranks compare to tell whether they failed alike: the error's type and message."""
+    return f"{type(e).__module__}.{type(e).__qualname__}: {' '.join(str(e).split())}"
 
 
 def launched() -> bool:
@@ -51,8 +57,8 @@ class DistContext:
         A mismatch (parallel set without a launcher, or a launcher without parallel) is the user's to fix."""
         if parallel == "none":
             if launched():
-                raise ConfigError(f"started by a launcher with WORLD_SIZE={os.environ['WORLD_SIZE']} but "
-                                  "train.parallel=none; set train.parallel=ddp or fsdp")
+                raise alike(ConfigError(f"started by a launcher with WORLD_SIZE={os.environ['WORLD_SIZE']} but "
+                                        "train.parallel=none; set train.parallel=ddp or fsdp"), LOCAL_RANK_0_SAYS)
             return cls()
         if not launched():
             return cls(parallel=parallel)  # one process: data parallel over one rank is plain training
@@ -93,10 +99,23 @@ class DistContext:
 
     def agree(self, error: BaseException | None, what: str = "failed to start") -> None:
         """A step every rank takes together: when some rank failed (``error``), the others stop too, with
-        one line pointing at the rank that says what went wrong."""
-        if self.any(error is not None) and error is None:
-            raise ConfigError(f"another process of this run {what}; its message is above (rank 0 "
-                              "prints it, or the launcher's log of the failing rank)")
+        one line naming the ranks that say what went wrong. The ranks compare their errors here: one that
+        rank 0 raised too (the same type and message: a --resume with nothing to resume, a missing corpus, a
+        full disk every rank writes to) is marked for rank 0 alone to print (``qklab.errors.alike``); a rank's
+        own error (its disk, its file) is not, and that rank prints it."""
+        if not self.active:
+            return
+        said: list[str | None] = [None] * self.world
+        tdist.all_gather_object(said, None if error is None else _identity(error))
+        failed = [r for r, x in enumerate(said) if x is not None]
+        if not failed:
+            return
+        if error is None:  # this rank stops because another failed: rank 0 names it
+            ranks = ", ".join(map(str, failed))
+            raise alike(ConfigError(f"another process of this run {what} (rank {ranks}); its line says why, "
+                                    f"marked (rank {failed[0]}), or the launcher's log of that rank"), RANK_0_SAYS)
+        if self.rank != 0 and said[self.rank] == said[0]:
+            alike(error, RANK_0_SAYS)
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (a small picklable value, e.g. a folder name)."""

@@ -1,0 +1,112 @@
+"""Under torchrun, an error line (exit 2) is printed once where every rank has it, by rank 0, and a rank's own
+is printed by that rank, marked with its rank (tests/parallel/test_launch.py runs real two-process runs)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import os
+
+import pytest
+
+import qklab.cli.commands as commands
+from qklab.cli import main
+from qklab.errors import LOCAL_RANK_0_SAYS, RANK_0_SAYS, ConfigError, alike
+
+
+@pytest.fixture(autouse=True)
+def _no_grace(monkeypatch):
+    monkeypatch.setattr(commands, "QUIET_GRACE_S", 0.0)
+
+
+def _launched(monkeypatch, rank: int, local: int | None = None, torchrun: bool = True) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("LOCAL_RANK", str(rank if local is None else local))
+    if torchrun:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    else:
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+
+
+def _raising(monkeypatch, error: BaseException) -> None:
+    def train(_args):
+        raise error
+
+    monkeypatch.setattr(commands, "_train", train)
+
+
+def _cli(argv: list[str]) -> tuple[int, list[str]]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(argv)
+    return code, [ln for ln in err.getvalue().splitlines() if ln.strip()]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_error_rank_0_has_too_is_rank_0s_line_alone(monkeypatch, rank):
+    """Compared as the ranks agreed to stop (DistContext.agree): the same error on rank 0."""
+    _launched(monkeypatch, rank)
+    _raising(monkeypatch, alike(ConfigError("--resume: no usable checkpoint in c"), RANK_0_SAYS))
+    code, err = _cli(["train"])
+    assert code == 2
+    assert err == (["qklab: error: --resume: no usable checkpoint in c"] if rank == 0 else []), err
+
+
+def test_a_ranks_own_error_is_printed_by_it_with_its_rank(monkeypatch):
+    _launched(monkeypatch, 1)
+    _raising(monkeypatch, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/local/disk/of/rank1"))
+    code, err = _cli(["train"])
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("qklab: error (rank 1): No space left on device (/local/disk/of/rank1); free some space")
+
+
+def test_an_error_of_unknown_kind_is_printed_on_every_rank_with_its_rank(monkeypatch):
+    """Not compared, not the command line's: rather a line twice than a line lost."""
+    _launched(monkeypatch, 3)
+    _raising(monkeypatch, ConfigError("model.vocab_size=3 < tokenizer vocab 96"))
+    assert _cli(["train"]) == (2, ["qklab: error (rank 3): model.vocab_size=3 < tokenizer vocab 96"])
+
+
+BAD = ["train", "--set", "train.steps=-1"]
+LINE = "train.steps=-1 is out of range: it must be > 0"
+
+
+@pytest.mark.parametrize("rank, local, torchrun, line", [
+    (0, 0, True, f"qklab: error: {LINE}"),
+    (1, 1, True, None),  # started by the same torchrun as rank 0: the same command line, the same files
+    (2, 0, True, f"qklab: error (rank 2): {LINE}"),  # the first process of another machine: its own files
+    (3, 1, True, None),  # ... which says it for the others there
+    (1, 1, False, f"qklab: error (rank 1): {LINE}"),  # another launcher: nothing says the command lines match
+])
+def test_a_bad_config_value_is_said_once_per_machine(monkeypatch, rank, local, torchrun, line):
+    _launched(monkeypatch, rank, local, torchrun)
+    assert _cli(BAD) == (2, [] if line is None else [line])
+
+
+@pytest.mark.parametrize("rank, local, line", [
+    (0, 0, "qklab: error: unrecognized arguments: --nope (see qklab --help)"),
+    (1, 1, None),
+    (2, 0, "qklab: error (rank 2): unrecognized arguments: --nope (see qklab --help)"),
+])
+def test_a_bad_option_is_said_once_per_machine(monkeypatch, rank, local, line):
+    _launched(monkeypatch, rank, local)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stop:
+        main(["train", "--nope"])
+    assert stop.value.code == 2
+    assert err.getvalue().splitlines() == ([] if line is None else [line])
+
+
+def test_the_launcher_mismatch_is_the_command_lines(monkeypatch):
+    from qklab.parallel.context import DistContext
+
+    _launched(monkeypatch, 1)
+    with pytest.raises(ConfigError) as e:
+        DistContext.start("none")
+    assert commands._error_line("x", e.value) is None
+    assert commands._error_line("x", ConfigError("x")) == "qklab: error (rank 1): x"
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert commands._error_line("x", e.value) == "qklab: error (rank 1): x"
+    assert commands._error_line("x", alike(ConfigError("x"), LOCAL_RANK_0_SAYS)) == "qklab: error (rank 1): x"
