@@ -146,3 +146,24 @@ def test_under_a_launcher_rank_0_alone_prints_the_stop_line(monkeypatch, stop, c
     monkeypatch.setenv("RANK", str(rank))
     got, err, _ = _cli(["train"])
     assert got == code and len(err) == (1 if rank == 0 else 0), err
+
+
+def test_a_run_whose_only_checkpoint_is_cut_short_is_not_told_to_resume(tmp_path, cache, monkeypatch):
+    """The hint asks what resume asks, as far as the files' sizes tell (no hashes at a stop): a checkpoint
+    whose weights were cut short is none to resume; --overwrite starts the run again."""
+    assert _cli(_train(tmp_path, cache, steps=10))[0] == 0
+    ckpt = tmp_path / "runs" / "r" / "ckpt"
+    (only,) = ckpt.glob("step_*")
+    weights = only / ck.WEIGHTS
+    weights.write_bytes(weights.read_bytes()[:-100])
+    _sigterm_while_preparing(monkeypatch)
+    code, err, _ = _cli(_train(tmp_path, cache, "--overwrite"))
+    assert (code, err) == (143, [f"qklab: stopped by SIGTERM; no checkpoint in {ckpt} is intact (files missing or "
+                                 "cut short), so there is nothing to resume: run the command again with --overwrite, "
+                                 "without --resume"])
+    monkeypatch.undo()
+    code, err, _ = _cli(_train(tmp_path, cache, "--resume"))  # what the hint used to offer
+    assert code == 2 and err[-1] == (f"qklab: error: --resume: no usable checkpoint in {ckpt}; start the run "
+                                     "without --resume"), err
+    code, err, out = _cli(_train(tmp_path, cache, "--overwrite"))  # what it offers now
+    assert code == 0 and out.splitlines()[-1].startswith(f"done: {tmp_path / 'runs' / 'r'}"), err

@@ -303,7 +303,9 @@ def _one_line(e: BaseException) -> str:
 
 def _go_on(args: argparse.Namespace) -> str:
     """How to go on after a command stopped early. A run is offered --resume only where a checkpoint is there
-    to resume from: one stopped before its first checkpoint starts again without it."""
+    to resume from, as far as its files' sizes tell (``Checkpointer.resumable``, no hashes): one stopped
+    before its first checkpoint starts again without it, and one whose checkpoints lost files with
+    --overwrite (without it, a run folder with checkpoints is refused)."""
     if args.cmd != "train":
         return "nothing half-written is left; run the same command again"
     ckpt = getattr(args, "ckpt_dir", None)
@@ -311,8 +313,11 @@ def _go_on(args: argparse.Namespace) -> str:
         return "run the same command again"
     from qklab.train.checkpointer import Checkpointer
 
-    if Checkpointer.has_checkpoints(ckpt):
+    if Checkpointer.resumable(ckpt):
         return "the last checkpoint is intact (continue with --resume)"
+    if Checkpointer.has_checkpoints(ckpt):
+        return (f"no checkpoint in {ckpt} is intact (files missing or cut short), so there is nothing to resume: "
+                "run the command again with --overwrite, without --resume")
     return "no checkpoint was written yet, so there is nothing to resume: run the command again without --resume"
 
 

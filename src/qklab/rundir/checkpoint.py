@@ -55,8 +55,8 @@ STATE_GLOBALS = (np.ndarray, np.dtype, np.dtypes.UInt32DType, _reconstruct)
 
 __all__ = ["CheckpointError", "UnsafeCheckpoint", "STATE_GLOBALS", "atomic_write_text", "save_checkpoint",
            "latest_checkpoint", "newest_usable", "load_checkpoint", "read_state", "load_weights",
-           "verify_checkpoint", "complete_checkpoints", "remove_stale_temps", "new_staging_dir", "is_sharded",
-           "write_manifest"]
+           "verify_checkpoint", "complete_checkpoints", "newest_intact", "remove_stale_temps", "new_staging_dir",
+           "is_sharded", "write_manifest"]
 
 
 def _sha256(path: Path) -> str:
@@ -200,6 +200,13 @@ def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
     """Checkpoint folders holding their state and weights, oldest first (not verified; see verify_checkpoint)."""
     found = [p for p in ckpt_dir.glob(f"{PREFIX}*") if not _missing(p)]
     return sorted(found, key=lambda p: p.name)
+
+
+def newest_intact(ckpt_dir: Path) -> Path | None:
+    """The newest checkpoint folder that holds every file its manifest lists, at its size (``_intact``); None
+    when there is none. What resume would take, as far as a stat per file tells: no hashes (a stop's hint
+    reads it, and re-hashing gigabytes there would delay the stop), so a flipped byte is left to resume."""
+    return next((p for p in _candidates(ckpt_dir) if _intact(p)), None)
 
 
 def _missing(path: Path) -> list[str]:

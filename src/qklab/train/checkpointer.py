@@ -29,6 +29,7 @@ from qklab.rundir.checkpoint import (
     latest_checkpoint,
     load_weights,
     new_staging_dir,
+    newest_intact,
     newest_usable,
     remove_stale_temps,
     save_checkpoint,
@@ -57,6 +58,12 @@ class Checkpointer:
     @staticmethod
     def has_checkpoints(ckpt_dir: Path) -> bool:
         return bool(complete_checkpoints(ckpt_dir))
+
+    @staticmethod
+    def resumable(ckpt_dir: Path) -> bool:
+        """A checkpoint with all its files at their sizes is there (``newest_intact``): what --resume takes,
+        unless a byte of it changed (resume's hashes tell)."""
+        return newest_intact(ckpt_dir) is not None
 
     def latest(self) -> Path | None:
         """The newest checkpoint that verifies (for messages: "the last good one is ...")."""
