@@ -164,6 +164,6 @@ def test_a_run_whose_only_checkpoint_is_cut_short_is_not_told_to_resume(tmp_path
     monkeypatch.undo()
     code, err, _ = _cli(_train(tmp_path, cache, "--resume"))  # what the hint used to offer
     assert code == 2 and err[-1] == (f"qklab: error: --resume: no usable checkpoint in {ckpt}; start the run "
-                                     "without --resume"), err
+                                     "again with --overwrite (its checkpoints are all unusable)"), err
     code, err, out = _cli(_train(tmp_path, cache, "--overwrite"))  # what it offers now
     assert code == 0 and out.splitlines()[-1].startswith(f"done: {tmp_path / 'runs' / 'r'}"), err

@@ -34,7 +34,9 @@ def resume_point(ckpt_dir: Path, cfg: RunConfig, resume: bool, overwrite: bool, 
     already in the run folder."""
     found = Checkpointer.find(ckpt_dir, warn=warn) if resume else None
     if resume and found is None:
-        raise ConfigError(f"--resume: no usable checkpoint in {ckpt_dir}; start the run without --resume")
+        again = ("start the run again with --overwrite (its checkpoints are all unusable)"
+                 if Checkpointer.has_checkpoints(ckpt_dir) else "start the run without --resume")
+        raise ConfigError(f"--resume: no usable checkpoint in {ckpt_dir}; {again}")
     if found is not None:
         check_resume_config(cfg, found[1].get("config") or {}, found[1].get("world", 1), world)
     if not resume and not overwrite and Checkpointer.has_checkpoints(ckpt_dir):
