@@ -91,6 +91,31 @@ def test_torchrun_error_every_rank_hits_is_printed_once(tmp_path):
         p.stderr[-3000:]
 
 
+# qklab train where rank 0 reaches its (shared) config error 3 s after rank 1, as a loaded machine may start it
+SLOW_RANK0 = """
+import os, sys, time
+import qklab.cli.commands as commands
+_load = commands.load_config
+def load_config(*a, **k):
+    if os.environ["RANK"] == "0":
+        time.sleep(3.0)
+    return _load(*a, **k)
+commands.load_config = load_config
+from qklab.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_torchrun_error_line_survives_a_slow_rank_0(tmp_path):
+    """The rank that leaves a shared error's line to rank 0 stays until rank 0 has printed it (torchrun stops
+    every process once one exits): a rank 0 that reaches the error seconds later still prints its line."""
+    script = tmp_path / "slow0.py"
+    script.write_text(SLOW_RANK0)
+    p = _torchrun(tmp_path, str(script), *_args(tmp_path, "train.parallel=ddp", "train.steps=-1")[2:])
+    assert p.returncode != 0
+    assert _errors(p) == ["qklab: error: train.steps=-1 is out of range: it must be > 0"], p.stderr[-3000:]
+
+
 # qklab train where rank 1 alone cannot read its data (its own disk, its own file)
 RANK1_ERROR = """
 import errno, os, sys

@@ -356,16 +356,24 @@ def _error_line(msg: str, e: BaseException) -> str | None:
 
 
 QUIET_GRACE_S = 1.0  # how long a rank that leaves its line to another waits before it exits (_error)
+TORCHRUN_WAIT_S = 60.0  # under torchrun: at most this long, until torchrun stops it after the other's exit
 
 
 def _error(msg: str, e: BaseException) -> None:
-    """Print the error's line (``_error_line``); a process that leaves it to another waits a moment before it
-    exits: torchrun stops every process once one has exited, and the one printing should not be stopped first."""
+    """Print the error's line (``_error_line``); a process that leaves it to another waits before it exits:
+    torchrun stops every process once one has exited, so the quiet one must not exit before the one printing
+    has printed, which on a loaded machine may reach the same error seconds later. Under torchrun it waits
+    until torchrun stops it (at most ``TORCHRUN_WAIT_S``: the printing rank's exit ends the wait at once);
+    under another launcher, which stops no one, a moment."""
     line = _error_line(msg, e)
     if line is not None:
         print(line, file=sys.stderr)
-    else:
+        return
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
         time.sleep(QUIET_GRACE_S)
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's stop, once the printing rank has exited: no line
+    time.sleep(TORCHRUN_WAIT_S)
 
 
 def _stop_line(line: str) -> None:
