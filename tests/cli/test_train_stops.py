@@ -99,6 +99,23 @@ def test_sigterm_before_training_offers_resume_only_with_a_checkpoint(tmp_path, 
     assert (code, err) == (143, [f"qklab: stopped by SIGTERM; {RESUME}"])
 
 
+def test_an_overwrite_stopped_before_it_cleared_the_earlier_run_is_not_told_to_resume_it(tmp_path, cache,
+                                                                                       monkeypatch):
+    """--overwrite stopped while its data is prepared, before it cleared the earlier run: that run's intact
+    checkpoint is not this command's, so the hint is the same command again, not --resume of the run it was
+    asked to replace; once the new run wrote a checkpoint of its own, --resume is offered again."""
+    assert _cli(_train(tmp_path, cache))[0] == 0  # the earlier run, with its checkpoints
+    _sigterm_while_preparing(monkeypatch)
+    code, err, _ = _cli(_train(tmp_path, cache, "--overwrite"))
+    run = tmp_path / "runs" / "r"
+    assert (code, err) == (143, [f"qklab: stopped by SIGTERM; {run} still holds the earlier run (--overwrite had "
+                                 "not cleared it yet): run the same command again"])
+    monkeypatch.undo()
+    _interrupt_at(monkeypatch, 11)  # the new run, stopped after its own checkpoint at step 10
+    code, err, _ = _cli(_train(tmp_path, cache, "--overwrite"))
+    assert (code, err) == (130, [f"qklab: interrupted; {RESUME}"])
+
+
 def test_a_full_disk_at_the_first_checkpoint_is_not_told_to_resume(tmp_path, cache, monkeypatch):
     def save_model(model, path):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -33,6 +33,7 @@ def _train(args: argparse.Namespace) -> int:
     from qklab.train.startup import run_name
     from qklab.train.trainer import Trainer
 
+    args.started = time.time()  # a checkpoint older than this is an earlier run's (_go_on, with --overwrite)
     try:
         cfg = load_config(args.config, args.set)
     except (UserError, OSError) as e:  # the command line's and its files': alike on every rank torchrun started
@@ -303,9 +304,11 @@ def _one_line(e: BaseException) -> str:
 
 def _go_on(args: argparse.Namespace) -> str:
     """How to go on after a command stopped early. A run is offered --resume only where a checkpoint is there
-    to resume from, as far as its files' sizes tell (``Checkpointer.resumable``, no hashes): one stopped
-    before its first checkpoint starts again without it, and one whose checkpoints lost files with
-    --overwrite (without it, a run folder with checkpoints is refused)."""
+    to resume from, as far as its files' sizes tell (``Checkpointer.resumable``, no hashes): one stopped before its
+    first checkpoint starts again without it, and one whose checkpoints lost files with --overwrite (without
+    it, a run folder with checkpoints is refused). A run given --overwrite and stopped before it cleared the
+    earlier run (its newest checkpoint older than the command) is told to run the same command again, not to
+    resume the run it was asked to replace."""
     if args.cmd != "train":
         return "nothing half-written is left; run the same command again"
     ckpt = getattr(args, "ckpt_dir", None)
@@ -313,7 +316,11 @@ def _go_on(args: argparse.Namespace) -> str:
         return "run the same command again"
     from qklab.train.checkpointer import Checkpointer
 
-    if Checkpointer.resumable(ckpt):
+    newest = Checkpointer.resumable(ckpt)
+    if newest is not None and getattr(args, "overwrite", False) and newest.stat().st_mtime < args.started:
+        return (f"{ckpt.parent} still holds the earlier run (--overwrite had not cleared it yet): run the same "
+                "command again")
+    if newest is not None:
         return "the last checkpoint is intact (continue with --resume)"
     if Checkpointer.has_checkpoints(ckpt):
         return (f"no checkpoint in {ckpt} is intact (files missing or cut short), so there is nothing to resume: "

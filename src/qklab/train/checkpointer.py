@@ -60,10 +60,10 @@ class Checkpointer:
         return bool(complete_checkpoints(ckpt_dir))
 
     @staticmethod
-    def resumable(ckpt_dir: Path) -> bool:
-        """A checkpoint with all its files at their sizes is there (``newest_intact``): what --resume takes,
-        unless a byte of it changed (resume's hashes tell)."""
-        return newest_intact(ckpt_dir) is not None
+    def resumable(ckpt_dir: Path) -> Path | None:
+        """The newest checkpoint with all its files at their sizes (``newest_intact``): what --resume takes,
+        unless a byte of it changed (resume's hashes tell); None where there is none."""
+        return newest_intact(ckpt_dir)
 
     def latest(self) -> Path | None:
         """The newest checkpoint that verifies (for messages: "the last good one is ...")."""
