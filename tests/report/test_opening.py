@@ -73,3 +73,27 @@ def test_a_report_of_one_grid_point_keeps_one_ranking(tmp_path):
     opening = md.split("## What these results say\n\n", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
     bullets = [ln for ln in opening.splitlines() if ln.startswith("- ")]
     assert [b.split("**")[1] for b in bullets] == ["qkmap \\[shape=128\\]", "none \\[shape=128\\]"]
+
+
+def test_a_quantity_claimed_against_zero_is_answered_as_itself():
+    """A claim "the slope is above zero" keeps the statistics of 0 - slope (claimed below zero, as every paired
+    measure): its answer shows the slope, +0.45 [+0.30, +0.60], not "0 - slope: -0.45 [-0.60, -0.30]"; one
+    claimed below zero shows its own numbers; a paired difference keeps "a - b"."""
+    from qklab.report.sections import answers
+    from qklab.study.measures import ClaimStats
+
+    class NoLinks:
+        def link(self, *_a, **_k):
+            return ""
+
+    def row(a, b, mean, lo, hi):
+        st = ClaimStats(n=3, df=2, mean=mean, ci_lo=lo, ci_hi=hi, boot_lo=lo, boot_hi=hi, a=a, b=b, margin=0.0,
+                        effect=1.0, p=0.01, p_flip=0.25)
+        return dataclasses.replace(PLANTED[0], status="confirmatory", stats=st, amended=False)
+
+    got = answers([row("0", "slope of log10 max logit", -0.45, -0.60, -0.30),
+                   row("sensitivity slope, qknorm - none", "0", -0.088, -0.12, -0.05),
+                   row("qkmap", "none", -0.03, -0.05, -0.01)], NoLinks())[2:]
+    assert "slope of log10 max logit: +0.450, 95% CI [+0.300, +0.600], n=3" in got[0].replace("\\", "")
+    assert "sensitivity slope, qknorm - none: -0.088, 95% CI [-0.120, -0.050], n=3" in got[1].replace("\\", "")
+    assert "qkmap - none: -0.030, 95% CI [-0.050, -0.010], n=3" in got[2].replace("\\", "")

@@ -134,6 +134,10 @@ def answers(rows: list[ClaimRow], cells: Cells) -> list[str]:
             what = f"{st.a} / {st.b}: " if st.a else "ratio "
             num = (f"{what}{10 ** st.mean:.3g}, 95% CI [{10 ** st.ci_lo:.3g}, {10 ** st.ci_hi:.3g}], "
                    f"n={st.n}{holm}")
+        elif st and "0" in (st.a, st.b):  # a quantity against zero (a slope, say): the quantity itself
+            sign, what = (-1, st.b) if st.a == "0" else (1, st.a)
+            lo, hi = sorted((sign * st.ci_lo, sign * st.ci_hi))
+            num = f"{what}: {sign * st.mean:+.3f}, 95% CI {fmt_ci(lo, hi)}, n={st.n}{holm}"
         elif st:
             what = f"{st.a} - {st.b}: " if st.a else "mean difference "
             num = f"{what}{st.mean:+.3f}, 95% CI {fmt_ci(st.ci_lo, st.ci_hi)}, n={st.n}{holm}"
