@@ -154,7 +154,7 @@ def _prune(ckpt_dir: Path, final: Path, keep: int) -> None:
     short, a truncated file), which no resume can use and which would otherwise stay for good; and those of
     later steps, left by the run this one resumed before (damaged ones it passed over): it writes their steps
     again. ``final`` itself always stays, so the newest usable checkpoint is never removed."""
-    folders = sorted((p for p in ckpt_dir.glob(f"{PREFIX}*") if p.is_dir()), key=lambda p: p.name)
+    folders = _candidates(ckpt_dir)[::-1]  # oldest step first
     intact = [p for p in folders if p.name < final.name and _intact(p)]
     kept = set(intact[max(0, len(intact) - (max(1, keep) - 1)):])
     for old in folders:

@@ -92,10 +92,10 @@ def _canonical(v: Any) -> str:
     return json.dumps(_finite(v), sort_keys=True)
 
 
-def _differences(new: Any, old: Any, path: str = "", added: list[str] | None = None) -> list[str]:
+def _differences(new: Any, old: Any, added: list[str], path: str = "") -> list[str]:
     """Where two JSON values differ, by path (floats compared by their exact repr: bit for bit). A key only
     the retrained result holds (a measurement added to the code after the cell was committed) cannot be
-    compared: it goes to ``added``, not among the differences; a key only the committed result holds is one."""
+    compared: its path goes to ``added``, not among the differences; a key only the committed result holds is one."""
     if isinstance(new, dict) and isinstance(old, dict):
         out = []
         for k in sorted(set(new) | set(old), key=str):
@@ -103,14 +103,13 @@ def _differences(new: Any, old: Any, path: str = "", added: list[str] | None = N
             if k not in new:
                 out.append(f"{p}: missing here")
             elif k not in old:
-                (added if added is not None else out).append(p if added is not None
-                                                             else f"{p}: not in the committed result")
+                added.append(p)
             else:
-                out += _differences(new[k], old[k], p, added)
+                out += _differences(new[k], old[k], added, p)
         return out
     if isinstance(new, list) and isinstance(old, list) and len(new) == len(old):
         return [d for i, (a, b) in enumerate(zip(new, old, strict=True))
-                for d in _differences(a, b, f"{path}[{i}]", added)]
+                for d in _differences(a, b, added, f"{path}[{i}]")]
     a, b = _canonical(new), _canonical(old)
     return [] if a == b else [f"{path}: {a[:60]} retrained, {b[:60]} committed"]
 
@@ -175,7 +174,7 @@ def verify_cell(res: dict[str, Any], out: Path, log=print, results: Path | None 
         new["probe"] = _probe(run_dir, _probe_mult(res, cfg, results))
         keys.append("probe")
     added: list[str] = []
-    diffs = hashed + _differences({k: new.get(k) for k in keys}, {k: res.get(k) for k in keys}, added=added)
+    diffs = hashed + _differences({k: new.get(k) for k in keys}, {k: res.get(k) for k in keys}, added)
     return Verdict(res["cell"], not diffs, diffs, machine_note(res.get("machines"), new.get("machines"), new, res)
                    if diffs else "", added)
 
