@@ -9,7 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from qklab.rundir.checkpoint import latest_checkpoint, newest_usable, save_checkpoint, write_manifest
+from qklab.rundir.checkpoint import (
+    complete_checkpoints,
+    latest_checkpoint,
+    newest_intact,
+    newest_usable,
+    save_checkpoint,
+    write_manifest,
+)
 from qklab.train.checkpointer import Checkpointer
 
 
@@ -44,7 +51,7 @@ def test_a_pointer_to_a_damaged_checkpoint_falls_back_to_the_newest_good_one(tmp
 
 
 def _steps(ckpt: Path) -> list[int]:
-    return sorted(int(p.name.removeprefix("step_")) for p in ckpt.glob("step_*"))
+    return sorted(int(p.name.removeprefix("step_")) for p in ckpt.glob("step_*") if p.name[5:].isdigit())
 
 
 def _cut(folder: Path, how: str) -> None:
@@ -127,3 +134,18 @@ def test_a_half_deleted_sharded_checkpoint_is_pruned(tmp_path, lost):
     (sharded / lost).unlink()
     _save(ckpt, 30, keep=3)
     assert _steps(ckpt) == [20, 30]
+
+
+def test_checkpoints_order_by_step_not_by_name(tmp_path):
+    """Past step 9,999,999 a folder's name has 8 digits, and ``step_10000000`` sorts before ``step_9999999`` by
+    name: resume must still take the higher step, and pruning must remove the lower one."""
+    ckpt = tmp_path / "ckpt"
+    _save(ckpt, 9_999_999)
+    _save(ckpt, 10_000_000)
+    (ckpt / "step_junk").mkdir()  # a folder no run wrote: not a checkpoint, and never an error
+    assert [p.name for p in complete_checkpoints(ckpt)] == ["step_9999999", "step_10000000"]
+    assert newest_intact(ckpt).name == "step_10000000"
+    path, state = newest_usable(ckpt)
+    assert path.name == "step_10000000" and state["marker"] == 10_000_000
+    _save(ckpt, 10_000_001, keep=2)
+    assert _steps(ckpt) == [10_000_000, 10_000_001]

@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 from qklab.config import ConfigError, packaged, resolve_named_file
-from qklab.rundir.checkpoint import PREFIX, complete_checkpoints
+from qklab.rundir.checkpoint import complete_checkpoints, step_of
 from qklab.rundir.folder import lock_holder
 from qklab.rundir.metrics import last_step
 from qklab.study.result import cell_outcome, read_result
@@ -152,7 +152,7 @@ def local_progress(c: Cell, out: Path, status: str) -> tuple[str, str] | None:
         return "running", f"pid {pid}, " + (f"step {step} of {steps}" if step is not None else "starting")
     started = read_result(run / "cell.json") or {}
     ckpts = complete_checkpoints(run / "ckpt") if started.get("cell_hash") in (c.hash, c.legacy_hash) else []
-    return ("todo", f"checkpoint at step {int(ckpts[-1].name[len(PREFIX):])} of {steps}") if ckpts else None
+    return ("todo", f"checkpoint at step {step_of(ckpts[-1])} of {steps}") if ckpts else None
 
 
 def print_counts(groups: dict[str, Counter]) -> None:

@@ -154,8 +154,8 @@ def _prune(ckpt_dir: Path, final: Path, keep: int) -> None:
     short, a truncated file), which no resume can use and which would otherwise stay for good; and those of
     later steps, left by the run this one resumed before (damaged ones it passed over): it writes their steps
     again. ``final`` itself always stays, so the newest usable checkpoint is never removed."""
-    folders = _candidates(ckpt_dir)[::-1]  # oldest step first
-    intact = [p for p in folders if p.name < final.name and _intact(p)]
+    folders = _by_step(ckpt_dir)
+    intact = [p for p in folders if step_of(p) < step_of(final) and _intact(p)]
     kept = set(intact[max(0, len(intact) - (max(1, keep) - 1)):])
     for old in folders:
         if old != final and old not in kept:
@@ -196,10 +196,24 @@ def remove_stale_temps(ckpt_dir: Path) -> list[Path]:
     return removed
 
 
+def step_of(path: Path) -> int | None:
+    """The step a checkpoint folder's name gives (``step_0001000`` -> 1000); None for any other name."""
+    digits = path.name.removeprefix(PREFIX)
+    return int(digits) if path.name.startswith(PREFIX) and digits.isascii() and digits.isdigit() else None
+
+
+def _by_step(ckpt_dir: Path) -> list[Path]:
+    """The checkpoint folders in ``ckpt_dir`` (``step_<digits>``), oldest step first. By the number, not the
+    name: ``step_10000000`` comes after ``step_9999999``, which its name sorts before."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = [p for p in ckpt_dir.glob(f"{PREFIX}*") if p.is_dir() and step_of(p) is not None]
+    return sorted(found, key=step_of)
+
+
 def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
     """Checkpoint folders holding their state and weights, oldest first (not verified; see verify_checkpoint)."""
-    found = [p for p in ckpt_dir.glob(f"{PREFIX}*") if not _missing(p)]
-    return sorted(found, key=lambda p: p.name)
+    return [p for p in _by_step(ckpt_dir) if not _missing(p)]
 
 
 def newest_intact(ckpt_dir: Path) -> Path | None:
@@ -248,9 +262,7 @@ def _candidates(ckpt_dir: Path) -> list[Path]:
     """Checkpoint folders, newest step first. The ``latest`` pointer is not consulted: it is a hint for people
     and other tools, and a stale one (a kill between a checkpoint's rename and the pointer's) would put an
     older checkpoint before a newer complete one."""
-    if not ckpt_dir.is_dir():
-        return []
-    return sorted((p for p in ckpt_dir.glob(f"{PREFIX}*") if p.is_dir()), key=lambda p: p.name, reverse=True)
+    return _by_step(ckpt_dir)[::-1]
 
 
 def newest_usable(ckpt_dir: Path, warn: Callable[[str], None] | None = None) -> tuple[Path, dict[str, Any]] | None:
