@@ -110,3 +110,30 @@ def test_the_launcher_mismatch_is_the_command_lines(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert commands._error_line("x", e.value) == "qklab: error (rank 1): x"
     assert commands._error_line("x", alike(ConfigError("x"), LOCAL_RANK_0_SAYS)) == "qklab: error (rank 1): x"
+
+
+GLOO_PEER_GONE = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                              "[127.0.0.1]:41145. This is typically caused by a remote worker crashing.")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_collective_whose_partner_is_gone_is_a_stop_not_an_internal_error(monkeypatch, rank):
+    """Another rank stopped first (and said why): rank 0 says once that another process stopped, and how to
+    go on; no traceback, no "internal error" (tests/parallel/test_launch.py has the real two-process run)."""
+    _launched(monkeypatch, rank)
+    _raising(monkeypatch, GLOO_PEER_GONE)
+    code, err = _cli(["train"])
+    assert code == 1
+    assert err == (["qklab: stopped: another process of this run stopped or was lost during a collective step "
+                     "(its own line, or the launcher's log of that rank, says why); run the same command again"]
+                   if rank == 0 else []), err
+
+
+def test_the_same_error_in_one_process_is_still_a_bug(monkeypatch):
+    """Without a launcher no partner can be gone: the error is qklab's, with its traceback."""
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    _raising(monkeypatch, GLOO_PEER_GONE)
+    code, err = _cli(["train"])
+    assert code == 1 and err[0] == "Traceback (most recent call last):"
+    assert err[-1] == "qklab: internal error (a bug in qklab, not in your input): RuntimeError", err

@@ -146,6 +146,41 @@ def test_torchrun_error_of_rank_1_alone_is_printed_by_rank_1(tmp_path):
     assert set(lines) <= {own, named} and len(lines) == len(set(lines)), lines
 
 
+# qklab train where rank 1 alone meets its own error mid-training (its own disk full at step 3)
+RANK1_MID_RUN = """
+import errno, os, sys
+import qklab.train.trainer as tr
+_step = tr.Trainer.train_step
+def train_step(self):
+    if self.dist.rank == 1 and self.step == 2:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/rank1/own/disk")
+    return _step(self)
+tr.Trainer.train_step = train_step
+from qklab.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_torchrun_rank_lost_mid_run_is_no_internal_error(tmp_path):
+    """Rank 1 stops on its own error during step 3; rank 0, waiting for it in the gradients' all-reduce, gets
+    gloo's "Connection closed by peer". That is rank 1's failure, said by rank 1: rank 0 says in one line that
+    another process stopped, with how to go on, and neither a traceback nor "internal error" is printed."""
+    script = tmp_path / "rank1_mid.py"
+    script.write_text(RANK1_MID_RUN)
+    p = _torchrun(tmp_path, str(script), *_args(tmp_path, "train.parallel=ddp", "train.steps=6")[2:])
+    assert p.returncode != 0
+    out = p.stdout + p.stderr
+    own = ("qklab: error (rank 1): No space left on device (/rank1/own/disk); free some space; no checkpoint was "
+           "written yet, so there is nothing to resume: run the command again without --resume")
+    assert _errors(p) == [own], out[-3000:]
+    assert "internal error" not in out and "Connection closed by peer" not in out, out[-3000:]
+    stops = [ln for ln in out.splitlines() if ln.startswith("qklab: stopped")]
+    # rank 0 says it once, unless torchrun stopped it first (after rank 1's exit): then nothing more
+    assert stops in ([], ["qklab: stopped: another process of this run stopped or was lost during a collective "
+                          "step (its own line, or the launcher's log of that rank, says why); no checkpoint was "
+                          "written yet, so there is nothing to resume: run the command again without --resume"]), stops
+
+
 def test_launcher_without_parallel_is_one_line(tmp_path):
     env = {**ENV, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
     p = subprocess.run([sys.executable, *_args(tmp_path)], capture_output=True, text=True, env=env, timeout=120)

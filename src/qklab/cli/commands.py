@@ -423,6 +423,12 @@ def main(argv: list[str] | None = None) -> int:
         _stop_line(f"qklab: interrupted; {_go_on(args)}")
         return 130
     except Exception as e:
+        from qklab.parallel.context import peer_lost
+
+        if peer_lost(e):  # under torchrun: another rank stopped first, and printed why (or its log says)
+            _stop_line(f"qklab: stopped: another process of this run stopped or was lost during a collective step "
+                       f"(its own line, or the launcher's log of that rank, says why); {_go_on(args)}")
+            return 1
         if _out_of_memory(e):
             _error("out of memory; lower model sizes, train.batch_size or train.seq_len", e)
             return 2

@@ -32,6 +32,20 @@ def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+# what a collective raises on a rank whose partner is gone (gloo's TCP pairs, the TCP store, NCCL), in torch's words
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote process exited",
+             "communicator was aborted")
+
+
+def peer_lost(e: BaseException) -> bool:
+    """True for the error a collective raises on this rank because another process of the run is gone (it
+    stopped on its own error, crashed or was killed): the other's failure, not this rank's, and no bug here."""
+    if not launched():
+        return False
+    return isinstance(e, tdist.DistNetworkError) or (isinstance(e, RuntimeError)
+                                                      and any(s in str(e) for s in PEER_LOST))
+
+
 @dataclass
 class DistContext:
     rank: int = 0
