@@ -9,6 +9,7 @@ import sys
 import time
 
 from qklab.rundir.folder import RunLock, lock_holder
+from qklab.rundir import metrics
 from qklab.rundir.metrics import last_step, read_metrics
 
 HOLD = ("import sys, time; from pathlib import Path; from qklab.rundir.folder import RunLock; "
@@ -57,3 +58,18 @@ def test_last_step_reads_the_end_of_a_long_file(tmp_path):
     assert last_step(path) == read_metrics(path)[-1]["step"] == 399
     path.write_text("")
     assert last_step(path) is None and last_step(tmp_path / "none.jsonl") is None
+
+
+def test_last_step_finds_a_record_longer_than_the_tail_it_reads_first(tmp_path, monkeypatch):
+    """A diagnostics record (every head of every layer) can outgrow the tail read first: the step is read
+    from further back, not taken for "no step" (a study's progress fell back to 0 whenever such a record
+    was last: seen at width 512, records of 9.7 KB against a 4 KB tail)."""
+    monkeypatch.setattr(metrics, "TAIL_BYTES", 256)
+    path = tmp_path / "metrics.jsonl"
+    recs = [{"step": 1, "loss": 2.0}, {"step": 2, "heads": [[0.123456789] * 8] * 40}]  # the last: ~4 KB
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert len(path.read_text().splitlines()[-1]) > 16 * metrics.TAIL_BYTES
+    assert last_step(path) == 2
+    with open(path, "a") as f:  # torn mid-write: the long record before it is the last whole one
+        f.write('{"step": 3, "heads": [[0.1, 0.2')
+    assert last_step(path) == 2

@@ -74,16 +74,26 @@ def _step(line: str) -> int | None:
     return rec.get("step") if isinstance(rec, dict) and isinstance(rec.get("step"), int) else None
 
 
+TAIL_BYTES = 65536  # last_step's first read from the end of the file; doubled while no whole record is in it
+
+
 def last_step(path: Path) -> int | None:
-    """The step of the last whole record of a metrics.jsonl (read from its end: a long run's file is large),
-    None when it has none."""
+    """The step of the last whole record of a metrics.jsonl, None when it has none. Read from its end (a long
+    run's file is large), and further back while the part read holds no whole record: a record with every
+    head's diagnostics can outgrow any fixed tail, and half a record is none."""
     try:
         with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, 2) - 65536))
-            lines = f.read().decode(errors="replace").splitlines()
+            size = f.seek(0, 2)
+            tail = TAIL_BYTES
+            while True:
+                f.seek(max(0, size - tail))
+                lines = f.read(tail).decode(errors="replace").splitlines()
+                step = next((s for s in map(_step, reversed(lines)) if s is not None), None)
+                if step is not None or tail >= size:
+                    return step
+                tail *= 2
     except OSError:
         return None
-    return next((s for s in map(_step, reversed(lines)) if s is not None), None)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -4,7 +4,6 @@ parent-death signal), stopped after a checkpoint on SIGTERM / Ctrl-C; the outcom
 from __future__ import annotations
 
 import contextlib
-import json
 import multiprocessing as mp
 import os
 import signal
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from qklab.rundir.folder import LOCK, RunLockError
+from qklab.rundir.metrics import last_step
 from qklab.study.cell import BUSY, DONE, STOP_GRACE_S, STOPPED, publish, run_cell
 from qklab.study.result import (
     CellOutcome,
@@ -133,23 +133,6 @@ def _context():
     return mp.get_context("spawn")
 
 
-def _last_step(run_dir: Path) -> int:
-    """The step of the last record in a running cell's metrics.jsonl (0 if none yet)."""
-    p = run_dir / "metrics.jsonl"
-    try:
-        with open(p, "rb") as f:
-            f.seek(max(0, p.stat().st_size - 4096))
-            lines = f.read().decode(errors="replace").splitlines()
-        for ln in reversed(lines):
-            try:
-                return int(json.loads(ln)["step"])
-            except (ValueError, KeyError, TypeError):
-                continue
-    except OSError:
-        pass
-    return 0
-
-
 def _stamp(path: Path) -> tuple[int, int, int] | None:
     """Which file is at ``path`` now (inode, mtime, size): a worker's result is new when this changed."""
     try:
@@ -216,7 +199,9 @@ def run_pool(cells: list[Cell], study: Study, out: Path, results: Path, workers:
             _show_running(bar, len(running), outcome, len(queue))
             time.sleep(0.5)
             for cid, (cell, p) in list(running.items()):
-                done_steps = steps[cid] if not p.is_alive() else min(_last_step(out / "cells" / cid), steps[cid])
+                now = last_step(out / "cells" / cid / "metrics.jsonl") or 0
+                # never backwards: within one run of the study a cell's step only grows
+                done_steps = steps[cid] if not p.is_alive() else max(counted.get(cid, 0), min(now, steps[cid]))
                 bar.update(done_steps - counted.get(cid, 0))
                 counted[cid] = done_steps
                 progress["steps"] = sum(counted.values())
