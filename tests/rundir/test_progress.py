@@ -8,8 +8,8 @@ import subprocess
 import sys
 import time
 
-from qklab.rundir.folder import RunLock, lock_holder
 from qklab.rundir import metrics
+from qklab.rundir.folder import RunLock, lock_holder
 from qklab.rundir.metrics import last_step, read_metrics
 
 HOLD = ("import sys, time; from pathlib import Path; from qklab.rundir.folder import RunLock; "

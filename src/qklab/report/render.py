@@ -12,6 +12,7 @@ from qklab.errors import ReportError
 from qklab.report.beside import beside_table, corpus_label
 from qklab.report.claims import VERDICT_RULE, ClaimRow, claims_table, registered_results
 from qklab.report.figures import colours, draw, figure_data, nothing_to_show
+from qklab.report.holdout import held_out, held_out_data, held_out_table
 from qklab.report.html import page
 from qklab.report.ladder import ladder_table
 from qklab.report.probes import probes_tables
@@ -176,9 +177,12 @@ def build(dirs: list[str | Path], loaded: Loaded, out: Path, title: str, problem
     if ladder[1]:  # a study with a width grid
         tables["ladder"] = ladder
     scale_rows = method_scales(groups)  # three widths or more: LR sensitivity and trends across scale
+    held = held_out(scale_rows)  # four widths or more: the widest held out of each trend
     if scale_rows:
         tables["scale_sensitivity"] = scale_sensitivity_table(scale_rows)
         tables["scale_trends"] = trends_table(scale_rows)
+        if held:
+            tables["scale_held_out"] = held_out_table(held)
         data["scale_sensitivity"] = scale_data(scale_rows)
         if fig := draw_scale(data["scale_sensitivity"], out / "scale_sensitivity.png", colours(data)):
             figs["scale_sensitivity"] = fig
@@ -198,7 +202,8 @@ def build(dirs: list[str | Path], loaded: Loaded, out: Path, title: str, problem
                  **({"beside": {"sources": [str(d) for d in beside or []],
                                 "cells": sorted(f"{r.get('study', '')}/{r['cell']}" for r in other[0])}}
                     if other is not None else {})}
-    return report, {**made_from, "verdict_rule": VERDICT_RULE, "figures": data, "colours": colours(data)}
+    return report, {**made_from, "verdict_rule": VERDICT_RULE, "figures": data, "colours": colours(data),
+                    **({"held_out": held_out_data(held)} if held else {})}
 
 
 def write_report(dirs: list[str | Path], out: str | Path | None = None, title: str = "qklab report",

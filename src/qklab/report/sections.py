@@ -15,6 +15,7 @@ from typing import Any
 from qklab.report.beside import intro as beside_intro
 from qklab.report.claims import VERDICT_RULE, ClaimRow
 from qklab.report.figures import CAPTIONS, variant_name
+from qklab.report.holdout import INTRO as HELD_OUT_INTRO
 from qklab.report.ladder import INTRO as LADDER_INTRO
 from qklab.report.predictions import gpu_results, predictions_lines
 from qklab.report.scale import INTRO as SCALE_INTRO
@@ -176,6 +177,8 @@ def _table_sections(r: Report) -> list[tuple[str, str]]:
             *([("Learning-rate sensitivity across scale", "scale_sensitivity"),
                ("Trends across scale: slopes against log10 non-embedding parameters", "scale_trends")]
               if r.scale else []),
+            *([("The widest width held out: each trend fitted on the narrower widths, extrapolated to it "
+                "(exploratory)", "scale_held_out")] if "scale_held_out" in r.tables else []),
             *((f"The grid of {k[5:]}: selection loss (mean ± std over seeds) / max logit, by learning rate", k)
               for k in r.grids),
             *((f"Attention probes of {k[7:]} at the chosen rates: mean ± std over seeds (difference to the "
@@ -187,7 +190,7 @@ def _table_sections(r: Report) -> list[tuple[str, str]]:
             *([("Failed cells", "failures")] if r.tables["failures"][1] else [])]
 
 
-INTROS = {"ladder": LADDER_INTRO, "scale_sensitivity": SCALE_INTRO}
+INTROS = {"ladder": LADDER_INTRO, "scale_sensitivity": SCALE_INTRO, "scale_held_out": HELD_OUT_INTRO}
 
 
 def result_tables(r: Report) -> list[str]:
