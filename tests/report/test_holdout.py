@@ -48,7 +48,7 @@ def test_held_out_by_hand():
     assert h.predicted == pytest.approx(1.25e-4) and h.measured == pytest.approx(1.25e-4) and h.outcome == "hit"
     head, body = held_out_table([rows[("bent", "LR sensitivity")], rows[("bent", "max logit at x4 the tuned rate")]])
     first = dict(zip(head, body[0], strict=True))
-    assert first["fitted on (non-embedding parameters)"] == "0.1M, 1M, 10M" and first["held out"] == "1e+02M"
+    assert first["fitted on (non-embedding parameters)"] == "0.1M, 1M, 10M" and first["held out"] == "100M"
     assert first["measured (n)"] == "0.46 (n=2)" and first["outcome"] == "miss"
     assert first["predicted (bootstrap 95%)"].startswith("0.405 [")
     second = dict(zip(head, body[1], strict=True))
@@ -106,3 +106,10 @@ def test_the_report_shows_it_at_four_widths_and_not_at_three(tmp_path, monkeypat
     out = render.write_report([tmp_path / "three" / "ladder"], tmp_path / "report3")
     assert "held out" not in (out / "report.md").read_text()
     assert "held_out" not in json.loads((out / "report.json").read_text())
+
+
+def test_sizes_read_in_millions_without_exponents():
+    from qklab.report.scale import millions
+
+    assert [millions(n) for n in (2.1357e5, 1.26e7, 8.5e7, 1.2386e8, 1.3e9)] == ["0.21M", "13M", "85M", "124M",
+                                                                                 "1300M"]

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from qklab.report.scale import LOGIT_AT, MIN_WIDTHS, MethodScale
+from qklab.report.scale import LOGIT_AT, MIN_WIDTHS, MethodScale, millions
 from qklab.study.sensitivity import trend
 
 Table = tuple[list[str], list[list[str]]]
@@ -104,8 +104,8 @@ def held_out_table(rows: list[HeldOut]) -> Table:
     for h in rows:
         interval = f"[{_num(h.lo)}, {_num(h.hi)}]" if h.outcome != "no interval" else "-"
         off = f"x{h.off_by:.2f}" if h.log_y else f"{h.off_by:+.3f}"
-        body.append([h.study, h.variant, h.quantity, ", ".join(f"{s / 1e6:.2g}M" for s in h.fitted),
-                     f"{h.size / 1e6:.2g}M", f"{_num(h.predicted)} {interval}", f"{_num(h.measured)} (n={h.n})", off,
+        body.append([h.study, h.variant, h.quantity, ", ".join(millions(s) for s in h.fitted),
+                     millions(h.size), f"{_num(h.predicted)} {interval}", f"{_num(h.measured)} (n={h.n})", off,
                      h.outcome])
     return head, body
 

@@ -88,6 +88,13 @@ def method_scales(groups: list[Group]) -> list[MethodScale]:
     return out
 
 
+def millions(n: float) -> str:
+    """A parameter count in millions, two significant digits below 100M, whole millions above:
+    0.21M, 13M, 124M (never 1.2e+02M)."""
+    m = n / 1e6
+    return f"{m:.0f}M" if m >= 100 else f"{m:.2g}M"
+
+
 def _fit(t: Trend | None, digits: int = 3) -> str:
     if t is None or not math.isfinite(t.slope):
         return "-"
@@ -119,7 +126,7 @@ def trends_table(rows: list[MethodScale]) -> Table:
             "tuned rate (log-log)", *(f"max logit at x{k:g} the tuned rate (log-log)" for k in LOGIT_AT)]
     body = []
     for r in rows:
-        sizes = ", ".join(f"{s / 1e6:.2g}M" for s in r.sizes)
+        sizes = ", ".join(millions(s) for s in r.sizes)
         body.append([r.study, r.variant, sizes, _fit(r.sensitivity_trend()), _fit(r.tuned_trend()),
                      *(_fit(r.logit_trend(k)) for k in LOGIT_AT)])
     return head, body
