@@ -7,6 +7,7 @@ import contextlib
 import errno
 import io
 import os
+import signal
 
 import pytest
 
@@ -17,7 +18,13 @@ from qklab.errors import LOCAL_RANK_0_SAYS, RANK_0_SAYS, ConfigError, alike
 
 @pytest.fixture(autouse=True)
 def _no_grace(monkeypatch):
+    """A quiet rank's waits cut to nothing (under torchrun it would wait up to 60 s to be stopped), and the
+    SIGTERM handler that wait sets put back."""
     monkeypatch.setattr(commands, "QUIET_GRACE_S", 0.0)
+    monkeypatch.setattr(commands, "TORCHRUN_WAIT_S", 0.0)
+    term = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, term)
 
 
 def _launched(monkeypatch, rank: int, local: int | None = None, torchrun: bool = True) -> None:
