@@ -293,7 +293,7 @@ def test_interrupted_study_resumes_without_loss(tmp_path):
     import subprocess
     import time
 
-    proc, cmd, env = _study_process(tmp_path, 400, 60, {"a": "none"}, signal.SIG_DFL)
+    proc, cmd, env = _study_process(tmp_path, 200, 50, {"a": "none"}, signal.SIG_DFL)
     ckpt = tmp_path / "o" / "cells" / "a_lr1_s0" / "ckpt"
     deadline = time.time() + 600
     while not list(ckpt.glob("step_*")):  # interrupt once the cell has its first checkpoint
@@ -313,7 +313,7 @@ def test_interrupted_study_resumes_without_loss(tmp_path):
     # both invocations' time counts for the cell
     assert resumed["seconds"] > spent["seconds"] and resumed["cpu_seconds"] > spent["cpu_seconds"]
     ref = run_study(parse_study({"study": {"config": "tiny", "seeds": [0], "set": {
-        "train.steps": 400, "train.lr": 1e-2, "train.eval_every": 60, "train.ckpt_every": 20, "train.diag_every": 0,
+        "train.steps": 200, "train.lr": 1e-2, "train.eval_every": 50, "train.ckpt_every": 20, "train.diag_every": 0,
         "data.max_files": 20, "data.cache_dir": f"{tmp_path}/cache"}}, "variants": {"a": {"qk.method": "none"}}}, "r"),
         tmp_path / "ref", workers=0, log=lambda s: None).results["a_lr1_s0"]
     assert resumed["final"]["report_loss"] == ref["final"]["report_loss"]  # bitwise: nothing lost
