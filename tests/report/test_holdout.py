@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
+import scipy.stats as sps
 
 from qklab.report.holdout import held_out, held_out_data, held_out_table
 from qklab.report.scale import MethodScale
 
 SIZES = [1e5, 1e6, 1e7, 1e8]  # log10: 5, 6, 7, 8
 WIDTHS = [64, 128, 256, 512]
+SEEDS = (0, 1, 2)
 
 
 def _ladder(variant: str, sens_at_widest: dict[int, float], logit_at_widest: dict[int, float] | None,
-            seeds: tuple[int, ...] = (0, 1)) -> MethodScale:
-    """LR sensitivity 0.1 + 0.1 (x - 5) + 0.01 s at the fitted widths (x = log10 size, s the seed); max logit
-    at x4 the tuned rate 10^(1 + 0.5 (x - 5) + 0.02 s); tuned rate 1e-3 halving per width."""
+            seeds: tuple[int, ...] = SEEDS) -> MethodScale:
+    """LR sensitivity 0.1 + 0.1 (x - 5) + 0.01 s at the fitted widths (x = log10 size, s the seed): seed s's
+    own line reaches 0.4 + 0.01 s at x = 8; max logit at x4 the tuned rate 10^(1 + 0.5 (x - 5) + 0.02 s),
+    reaching 10^(2.5 + 0.02 s); tuned rate 1e-3 halving per width, alike for every seed."""
     xs = [math.log10(s) for s in SIZES]
     sens = [{s: 0.1 + 0.1 * (x - 5) + 0.01 * s for s in seeds} for x in xs[:3]] + [sens_at_widest]
     tuned = [{s: 1e-3 / 2 ** i for s in seeds} for i in range(4)]
@@ -26,43 +30,59 @@ def _ladder(variant: str, sens_at_widest: dict[int, float], logit_at_widest: dic
     return MethodScale("planted", variant, WIDTHS, SIZES, sens, tuned, logits, None)
 
 
+def _t(errors: list[float]) -> tuple[float, float, float]:
+    """mean and 95% t-interval, directly from scipy"""
+    e = np.asarray(errors)
+    half = sps.t.ppf(0.975, e.size - 1) * e.std(ddof=1) / math.sqrt(e.size)
+    return e.mean(), e.mean() - half, e.mean() + half
+
+
 def test_held_out_by_hand():
-    bent = _ladder("bent", {0: 0.45, 1: 0.47}, {0: 10 ** 2.5, 1: 10 ** 2.52})
-    rows = {(h.variant, h.quantity): h for h in held_out([bent, _ladder("straight", {0: 0.40, 1: 0.41}, None)])}
-    # sensitivity: seed means 0.105, 0.205, 0.305 at x = 5, 6, 7: the line reaches 0.405 at x = 8; every
-    # resample's means lie within 0.005 of them, so its line at x = 8 within 0.005 + 3 * 0.005 (leverage)
+    bent = _ladder("bent", {0: 0.45, 1: 0.47, 2: 0.47}, {s: 10 ** (2.5 + 0.02 * s + e) for s, e in
+                                                         zip(SEEDS, (0.01, -0.01, 0.0), strict=True)})
+    straight = _ladder("straight", {0: 0.40, 1: 0.415, 2: 0.418}, None)
+    rows = {(h.variant, h.quantity): h for h in held_out([bent, straight])}
+    # sensitivity: each seed's error at x = 8 is measured - (0.4 + 0.01 s): 0.05, 0.06, 0.05
     h = rows[("bent", "LR sensitivity")]
-    assert h.predicted == pytest.approx(0.405) and h.measured == pytest.approx(0.46) and h.n == 2
-    assert 0.385 <= h.lo <= 0.405 <= h.hi <= 0.425
-    assert h.outcome == "miss" and h.off_by == pytest.approx(0.055) and h.fitted == tuple(SIZES[:3])
-    assert rows[("straight", "LR sensitivity")].outcome == "hit"  # 0.405 measured
-    # max logit at x4 (log-log): log10 means 1.01, 1.51, 2.01 -> 2.51 at x = 8; measured: the geometric mean
-    # of 10^2.5 and 10^2.52 is 10^2.51 (the arithmetic one would be 10^2.5103...)
+    mean, lo, hi = _t([0.05, 0.06, 0.05])
+    assert (h.error, h.lo, h.hi) == pytest.approx((mean, lo, hi)) and lo > 0
+    assert h.outcome == "miss" and h.n == 3 and h.fitted == tuple(SIZES[:3])
+    assert h.predicted == pytest.approx(0.41) and h.measured == pytest.approx(1.39 / 3)  # seed means' line
+    h = rows[("straight", "LR sensitivity")]  # errors 0, 0.005, -0.002
+    assert h.error == pytest.approx(0.001) and h.lo < 0 < h.hi and h.outcome == "hit"
+    # max logit at x4 (log-log): errors in log10 0.01, -0.01, 0; predicted and measured geometric means
     h = rows[("bent", "max logit at x4 the tuned rate")]
-    assert h.predicted == pytest.approx(10 ** 2.51) and h.measured == pytest.approx(10 ** 2.51)
-    assert h.outcome == "hit" and h.off_by == pytest.approx(1.0) and h.log_y
+    assert (h.error, h.lo, h.hi) == pytest.approx(_t([0.01, -0.01, 0.0]), abs=1e-12)
+    assert h.predicted == pytest.approx(10 ** 2.52) and h.measured == pytest.approx(10 ** 2.52)
+    assert h.outcome == "hit" and h.log_y and h.shown(h.error) == "x1.00"
     # the widest width's grid lacks x4 its tuned rate: no such row
     assert ("straight", "max logit at x4 the tuned rate") not in rows
-    # tuned rate: halving per width is a straight log-log line, extrapolated exactly
+    # tuned rate: every seed alike, so no spread to judge an error by (a grid gives such ties)
     h = rows[("bent", "tuned rate")]
-    assert h.predicted == pytest.approx(1.25e-4) and h.measured == pytest.approx(1.25e-4) and h.outcome == "hit"
+    assert h.predicted == pytest.approx(1.25e-4) and h.measured == pytest.approx(1.25e-4)
+    assert h.outcome == "no interval"
     head, body = held_out_table([rows[("bent", "LR sensitivity")], rows[("bent", "max logit at x4 the tuned rate")]])
     first = dict(zip(head, body[0], strict=True))
     assert first["fitted on (non-embedding parameters)"] == "0.1M, 1M, 10M" and first["held out"] == "100M"
-    assert first["measured (n)"] == "0.46 (n=2)" and first["outcome"] == "miss"
-    assert first["predicted (bootstrap 95%)"].startswith("0.405 [")
+    assert (first["predicted"], first["measured"], first["seeds"], first["outcome"]) == ("0.41", "0.463", "3", "miss")
+    assert first["measured vs predicted (x: ratio, log-log; +/-: difference), 95% CI"] == \
+        f"+0.053 [{lo:+.3f}, {hi:+.3f}]"
     second = dict(zip(head, body[1], strict=True))
-    assert second["measured vs predicted (x: ratio, log-log; +/-: difference)"] == "x1.00"
+    assert second["measured vs predicted (x: ratio, log-log; +/-: difference), 95% CI"].startswith("x1.00 [x0.")
     data = held_out_data([rows[("bent", "LR sensitivity")]])[0]
-    assert data["outcome"] == "miss" and data["off_by"] == pytest.approx(0.055) and data["fitted"] == SIZES[:3]
+    assert data["outcome"] == "miss" and data["error"] == pytest.approx(mean) and data["fitted"] == SIZES[:3]
 
 
-def test_one_seed_per_width_has_no_interval_and_three_widths_no_row():
-    one = _ladder("one", {0: 0.40}, {0: 10 ** 2.5}, seeds=(0,))
-    rows = held_out([one])
-    assert rows and all(h.outcome == "no interval" and math.isnan(h.lo) for h in rows)
-    assert held_out_table(rows)[1][0][5] == "0.4 -"  # seed 0 alone: 0.1, 0.2, 0.3 -> 0.4
-    short = MethodScale("planted", "short", WIDTHS[:3], SIZES[:3], one.sensitivity[:3], one.tuned[:3], {}, None)
+def test_seeds_not_measured_everywhere_and_too_few_widths():
+    """Only seeds measured at every width count; one such seed gives no interval; three widths, no row."""
+    partial = _ladder("partial", {0: 0.42}, {0: 10 ** 2.5, 1: 10 ** 2.52})  # seeds 1, 2 not yet at the widest
+    rows = {h.quantity: h for h in held_out([partial])}
+    assert rows["LR sensitivity"].n == 1 and rows["LR sensitivity"].outcome == "no interval"
+    assert rows["LR sensitivity"].error == pytest.approx(0.02) and math.isnan(rows["LR sensitivity"].lo)
+    assert rows["max logit at x4 the tuned rate"].n == 2  # seeds 0 and 1
+    assert held_out_table([rows["LR sensitivity"]])[1][0][8] == "+0.020 -"
+    short = MethodScale("planted", "short", WIDTHS[:3], SIZES[:3], partial.sensitivity[:3], partial.tuned[:3],
+                        {}, None)
     assert held_out([short]) == []
 
 
@@ -111,5 +131,5 @@ def test_the_report_shows_it_at_four_widths_and_not_at_three(tmp_path, monkeypat
 def test_sizes_read_in_millions_without_exponents():
     from qklab.report.scale import millions
 
-    assert [millions(n) for n in (2.1357e5, 1.26e7, 8.5e7, 1.2386e8, 1.3e9)] == ["0.21M", "13M", "85M", "124M",
-                                                                                 "1300M"]
+    assert [millions(n) for n in (2.1357e5, 1.26e7, 8.5e7, 9.96e7, 1.2386e8, 1.3e9, float("nan"))] == [
+        "0.21M", "13M", "85M", "100M", "124M", "1300M", "-"]

@@ -89,10 +89,12 @@ def method_scales(groups: list[Group]) -> list[MethodScale]:
 
 
 def millions(n: float) -> str:
-    """A parameter count in millions, two significant digits below 100M, whole millions above:
-    0.21M, 13M, 124M (never 1.2e+02M)."""
-    m = n / 1e6
-    return f"{m:.0f}M" if m >= 100 else f"{m:.2g}M"
+    """A parameter count in millions, two significant digits, whole millions where that would need an
+    exponent: 0.21M, 13M, 124M, 100M (never 1.2e+02M); '-' when unknown."""
+    if not math.isfinite(n):
+        return "-"
+    m = f"{n / 1e6:.2g}"
+    return f"{n / 1e6:.0f}M" if "e" in m else f"{m}M"
 
 
 def _fit(t: Trend | None, digits: int = 3) -> str:
