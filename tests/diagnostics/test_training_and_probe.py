@@ -68,6 +68,21 @@ def test_bad_settings_are_config_errors(tmp_path):
         _cfg(tmp_path, "x", "train.diag_every=-1")
 
 
+def test_probe_takes_the_previous_checkpoint_by_step(run, tmp_path, capsys):
+    """Checkpoints past step 9,999,999 (folder names of 8 digits, which sort before 7-digit ones by name): the
+    probe takes the newest by step and measures the logit change since the one before it by step."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run.run_dir, copy)
+    (copy / "ckpt" / "step_0000010").rename(copy / "ckpt" / "step_9999999")  # the states keep steps 10 and 20
+    (copy / "ckpt" / "step_0000020").rename(copy / "ckpt" / "step_10000000")
+    assert main(["probe", str(copy), "--samples", "2", "--max-mult", "2"]) == 0
+    capsys.readouterr()
+    res = json.loads((copy / "probes" / "step_10000000" / "probes.json").read_text())
+    assert res["checkpoint"].endswith("step_10000000") and res["logit_change_from_step"] == 10
+
+
 def test_probe_writes_its_files(run, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the run's cache_dir is absolute: nothing depends on the cwd
     assert main(["probe", str(run.run_dir), "--samples", "2", "--max-mult", "2"]) == 0

@@ -147,5 +147,10 @@ def test_checkpoints_order_by_step_not_by_name(tmp_path):
     assert newest_intact(ckpt).name == "step_10000000"
     path, state = newest_usable(ckpt)
     assert path.name == "step_10000000" and state["marker"] == 10_000_000
-    _save(ckpt, 10_000_001, keep=2)
-    assert _steps(ckpt) == [10_000_000, 10_000_001]
+    # pruning keeps the newest by step: by name, step_10000000 (just written) sorts before both older ones,
+    # so no older checkpoint would count as kept and both would go
+    ckpt = tmp_path / "prune"
+    for step in (9_999_998, 9_999_999):
+        _save(ckpt, step)
+    _save(ckpt, 10_000_000, keep=2)
+    assert _steps(ckpt) == [9_999_999, 10_000_000]

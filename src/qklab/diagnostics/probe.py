@@ -28,7 +28,7 @@ from qklab.diagnostics.retrieval import retrieval_test
 from qklab.diagnostics.sensitivity import SCALES, magnitude_sensitivity
 from qklab.diagnostics.series import head_series
 from qklab.errors import ProbeError
-from qklab.rundir.checkpoint import complete_checkpoints, verify_checkpoint
+from qklab.rundir.checkpoint import complete_checkpoints, step_of, verify_checkpoint
 from qklab.rundir.load import Target, load_model, load_run_config, resolve_target
 
 SCHEMA = "qklab.probes/2"
@@ -111,8 +111,9 @@ def run_probe(path: str | Path, out: str | Path | None = None, opts: ProbeOption
     x = probe_batch(val, opts.batch or cfg.train.diag_batch, T)  # (B, T): the training diagnostics' batch
 
     prev_snap, change_from = None, None
-    earlier = [c for c in complete_checkpoints(target.ckpt.parent) if c.name < target.ckpt.name
-               and verify_checkpoint(c, opts.unverified) is None]
+    at = step_of(target.ckpt)
+    earlier = [c for c in complete_checkpoints(target.ckpt.parent)  # by step: step_10000000 follows step_9999999
+               if at is not None and step_of(c) < at and verify_checkpoint(c, opts.unverified) is None]
     if earlier:  # the logit change since the previous kept checkpoint (that verifies)
         prev_model, prev_step = load_model(cfg, earlier[-1], dev, opts.unverified)
         if prev_step < step:

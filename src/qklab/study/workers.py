@@ -199,9 +199,8 @@ def run_pool(cells: list[Cell], study: Study, out: Path, results: Path, workers:
             _show_running(bar, len(running), outcome, len(queue))
             time.sleep(0.5)
             for cid, (cell, p) in list(running.items()):
-                now = last_step(out / "cells" / cid / "metrics.jsonl") or 0
-                # never backwards: within one run of the study a cell's step only grows
-                done_steps = steps[cid] if not p.is_alive() else max(counted.get(cid, 0), min(now, steps[cid]))
+                now = last_step(out / "cells" / cid / "metrics.jsonl") or 0  # a resumed run's file restarts at
+                done_steps = steps[cid] if not p.is_alive() else min(now, steps[cid])  # its checkpoint's step
                 bar.update(done_steps - counted.get(cid, 0))
                 counted[cid] = done_steps
                 progress["steps"] = sum(counted.values())
