@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -69,6 +70,7 @@ def test_held_out_by_hand():
         f"+0.053 [{lo:+.3f}, {hi:+.3f}]"
     second = dict(zip(head, body[1], strict=True))
     assert second["measured vs predicted (x: ratio, log-log; +/-: difference), 95% CI"].startswith("x1.00 [x0.")
+    assert second["predicted"] == "331" and held_out_table([replace(h, predicted=1898.4)])[1][0][5] == "1900"
     data = held_out_data([rows[("bent", "LR sensitivity")]])[0]
     assert data["outcome"] == "miss" and data["error"] == pytest.approx(mean) and data["fitted"] == SIZES[:3]
 

@@ -110,6 +110,11 @@ def held_out(rows: list[MethodScale]) -> list[HeldOut]:
     return out
 
 
+def _num(x: float) -> str:
+    """Three significant digits, without an exponent from 1,000 up (1900, not 1.9e+03)."""
+    return f"{float(f'{x:.3g}'):.0f}" if math.isfinite(x) and 1e3 <= abs(x) < 1e9 else f"{x:.3g}"
+
+
 def held_out_table(rows: list[HeldOut]) -> Table:
     head = ["study", "variant", "quantity", "fitted on (non-embedding parameters)", "held out", "predicted",
             "measured", "seeds", "measured vs predicted (x: ratio, log-log; +/-: difference), 95% CI", "outcome"]
@@ -117,7 +122,7 @@ def held_out_table(rows: list[HeldOut]) -> Table:
     for h in rows:
         interval = f" [{h.shown(h.lo)}, {h.shown(h.hi)}]" if math.isfinite(h.lo) and math.isfinite(h.hi) else " -"
         body.append([h.study, h.variant, h.quantity, ", ".join(millions(s) for s in h.fitted), millions(h.size),
-                     f"{h.predicted:.3g}", f"{h.measured:.3g}", str(h.n), h.shown(h.error) + interval, h.outcome])
+                     _num(h.predicted), _num(h.measured), str(h.n), h.shown(h.error) + interval, h.outcome])
     return head, body
 
 
