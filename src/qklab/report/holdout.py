@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from qklab.report.scale import LOGIT_AT, MIN_WIDTHS, MethodScale, millions
-from qklab.study.sensitivity import slope
+from qklab.study.sensitivity import fit_scale, slope
 from qklab.study.stats import describe
 
 Table = tuple[list[str], list[list[str]]]
@@ -74,7 +74,7 @@ def _one(r: MethodScale, quantity: str, sizes: list[float], values: list[dict[in
     (non-finite; with ``log_y`` not positive) count as not measured."""
     if len(sizes) < MIN_WIDTHS + 1:
         return None
-    tf = (lambda v: math.log10(v) if v > 0 else float("nan")) if log_y else float
+    tf = fit_scale(log_y)
     vals = [{s: tf(v) for s, v in m.items() if math.isfinite(v) and math.isfinite(tf(v))} for m in values]
     seeds = sorted(set.intersection(*(set(m) for m in vals)))
     if not seeds:

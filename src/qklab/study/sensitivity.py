@@ -19,7 +19,7 @@ large-scale Transformer training instabilities", arXiv 2309.14322).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,12 +142,17 @@ class Trend:
         return (10 ** mid, 10 ** lo, 10 ** hi) if self.log_y else (mid, lo, hi)
 
 
+def fit_scale(log_y: bool) -> Callable[[float], float]:
+    """The scale a fit takes its values on: log10 with ``log_y`` (NaN for a value <= 0), else as they are."""
+    return (lambda v: math.log10(v) if v > 0 else float("nan")) if log_y else float
+
+
 def trend(sizes: Sequence[float], values: Sequence[Mapping[int, float]], log_y: bool = False,
           n_boot: int = 2000, seed: int = 0, confidence: float = 0.95) -> Trend:
     """The fit of ``values`` (one seed -> value map per size) against log10(size): per seed over the seeds
     every size has, and of the seed means; the bootstrap resamples each size's seeds (needs two at each)."""
     xs = np.log10(np.asarray(sizes, dtype=np.float64))
-    tf = (lambda v: math.log10(v) if v > 0 else float("nan")) if log_y else float
+    tf = fit_scale(log_y)
     vals = [{s: tf(v) for s, v in m.items() if math.isfinite(tf(v))} for m in values]
     common = sorted(set.intersection(*(set(m) for m in vals))) if vals else []
     by_seed = {s: slope(xs, [m[s] for m in vals]) for s in common}
