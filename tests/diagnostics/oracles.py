@@ -13,6 +13,17 @@ def mean_norm(x: torch.Tensor, n_heads: int) -> torch.Tensor:
     return per_query_head(x.float().norm(dim=-1).mean(dim=(0, 2)), n_heads)
 
 
+def mean_distance(probs: torch.Tensor) -> torch.Tensor:
+    """Mean attention distance of full causal probs (B, H, T, T), query by query in a plain loop: for each
+    query i >= 1, sum over keys j <= i of p_ij (i - j); the mean over batch and queries, per head."""
+    B, H, T, _ = probs.shape
+    total = torch.zeros(H, dtype=torch.float64)
+    for i in range(1, T):
+        for j in range(i + 1):
+            total += probs[:, :, i, j].double().sum(dim=0) * (i - j)
+    return (total / (B * (T - 1))).float()
+
+
 def mean_abs_change(new: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean |new - old| over all allowed (query, key) pairs of the batch, per head."""
     d = (new.float() - old.float()).abs().masked_fill(~mask, 0.0)  # (B, H, Tq, Tk)

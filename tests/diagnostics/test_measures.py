@@ -25,6 +25,8 @@ def test_head_attending_only_to_position_0_is_a_sink():
     torch.testing.assert_close(heads["first_token"], torch.ones(2, 2), atol=1e-6, rtol=0)
     assert AttentionMonitor(_bos_batch()).measure(model, 0)["sink_rate"] == 1.0
     assert heads["entropy"].abs().max() < 1e-4  # all mass on one key
+    # all mass at distance i from query i: the mean over queries 1..T-1 is T / 2
+    torch.testing.assert_close(heads["distance"], torch.full((2, 2), 40 / 2), atol=1e-3, rtol=0)
 
 
 def test_uniform_heads_give_the_closed_forms():
@@ -38,6 +40,9 @@ def test_uniform_heads_give_the_closed_forms():
     ent = sum(math.log(i + 1) for i in range(1, T)) / (T - 1)
     assert sum(rec["first_token"], []) == pytest.approx([first] * 4, rel=1e-5)
     assert sum(rec["entropy"], []) == pytest.approx([ent] * 4, rel=1e-5)
+    dist = sum(i / 2 for i in range(1, T)) / (T - 1)  # query i spreads evenly over distances 0..i
+    assert sum(rec["distance"], []) == pytest.approx([dist] * 4, rel=1e-5)
+    assert rec["distance_baseline"] == pytest.approx(dist) and rec["distance_mean"] == pytest.approx(dist, rel=1e-5)
     assert rec["sink_rate"] == 0.0 and rec["max_logit_max"] == 0.0
 
 

@@ -26,6 +26,25 @@ def test_heatmap_writes_every_value_on_the_given_scale():
     plt.close(fig)
 
 
+def test_distance_heatmap_marks_its_own_uniform_baseline():
+    plt, fig, ax = _ax()
+    plots.heatmap(ax, fig, np.array([[8.9, 60.0], [12.0, 70.0]]), "distance", 0.0, 80.0, baseline=64.0)
+    assert [ln.get_ydata()[0] for ln in fig.axes[1].lines] == [64.0]  # T / 4; no sink threshold here
+    assert ax.get_title() == "distance (dotted: uniform)"
+    plt.close(fig)
+
+
+def test_heads_plot_gives_each_panel_its_own_baseline(tmp_path, monkeypatch):
+    seen = {}
+    real = plots.heatmap
+    monkeypatch.setattr(plots, "heatmap", lambda ax, fig, a, key, vmin, vmax, base=None: (
+        seen.setdefault(key, base), real(ax, fig, a, key, vmin, vmax, base)))
+    heads = {"max_logit": [[1.0, 2.0]], "entropy": [[1.0, 1.5]], "first_token": [[0.1, 0.2]], "distance": [[3.0, 9.0]],
+             "first_token_baseline": 0.05, "distance_baseline": 16.0}
+    plots.plot_heads(heads, "t", tmp_path / "h.png", seq_len=64)
+    assert seen == {"max_logit": None, "entropy": None, "first_token": 0.05, "distance": 16.0}
+
+
 def test_shared_range_covers_all_runs_and_keeps_first_token_absolute():
     a, b = np.array([[1.0, 2.0]]), np.array([[5.0, np.nan]])
     assert plots.shared_range([a, b], "max_logit") == (1.0, 5.0)

@@ -52,6 +52,8 @@ def test_chunked_stats_equal_the_eager_reference(name):
         torch.testing.assert_close(got[i]["max_logit"], M.max_logit(s, mask), atol=1e-5, rtol=1e-6)
         torch.testing.assert_close(got[i]["entropy"], M.entropy(p, mask), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got[i]["first_token"], M.first_token(p, mask), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(got[i]["distance"], O.mean_distance(p), atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(M.distance(p, mask), O.mean_distance(p), atol=1e-4, rtol=1e-5)
         torch.testing.assert_close(got[i]["q_norm"], O.mean_norm(cap["q"], H), atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(got[i]["k_norm"], O.mean_norm(cap["k"], H), atol=1e-6, rtol=1e-6)
         rep = H // cap["k"].shape[1]

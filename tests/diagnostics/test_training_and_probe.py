@@ -122,6 +122,8 @@ def test_probe_summary_gives_the_headline_numbers(run):
     assert s["step"] == 20
     assert s["first_token_baseline"] == pytest.approx(sum(1 / (i + 1) for i in range(1, T)) / (T - 1))
     assert s["first_token"] == pytest.approx(sum(sum(r) for r in res["heads"]["first_token"]) / 8)
+    assert s["distance_baseline"] == T / 4
+    assert s["distance"] == pytest.approx(sum(sum(r) for r in res["heads"]["distance"]) / 8)
     assert s["sink_rate"] == res["heads"]["sink"]["rate"]
     row = res["retrieval"]["lengths"][1]  # N = 64 = T, the longest N <= T (after N = 32)
     assert s["retrieval_length"] == 64 and s["evidence_mass"] == row["mass"]
@@ -130,6 +132,7 @@ def test_probe_summary_gives_the_headline_numbers(run):
     assert s["magnitude_js_a4"] == res["magnitude"]["js_mean"][4]
     empty = probe_summary({"step": 3})
     assert empty["step"] == 3 and empty["evidence_mass"] is None and empty["sink_rate"] is None
+    assert empty["distance"] is None
 
 
 def test_probe_of_an_older_checkpoint_does_not_overwrite_the_latest(run, tmp_path, capsys):

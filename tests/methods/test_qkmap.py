@@ -125,6 +125,30 @@ def test_rope_after_map_gives_relative_logits(rope):
         assert not torch.allclose(logits[1], logits[0], atol=1e-3)
 
 
+@pytest.mark.parametrize("rope", ["after", "before"])
+def test_starting_logit_by_distance_follows_the_rope_kernel(rope):
+    """With RoPE after the map, pair i of the features turns by theta_i per position, so the logit at
+    distance D is T_h mean_i cos(w (q_i - k_i) + theta_i D); for independent q_i, k_i ~ N(0, sigma^2) its
+    mean is T_h exp(-w^2 sigma^2) mean_i cos(theta_i D): the starting attention is local, the more so
+    the larger T_h (docs/qk-map.md, "QK-MAP starts local"). RoPE before the map turns independent
+    isotropic q and k, which leaves q_i - k_i ~ N(0, 2 sigma^2) at every distance: no distance prior."""
+    torch.manual_seed(0)
+    m = QKMap(SHAPE, QKMapOptions(rope=rope))  # d' = 8, F = 16, T_h = 2 sqrt(16) = 8, w = 0.5
+    T, sigma, w, t0 = 48, 1.3, 0.5, 8.0
+    q, k = torch.randn(512, 4, T, 8) * sigma, torch.randn(512, 2, T, 8) * sigma
+    fq, fk = m.map_qk(q, k, Rope(T, 10000.0), 0)
+    s = fq @ fk.repeat_interleave(2, dim=1).transpose(-1, -2)  # (B, H, T, T), scale 1
+    dist = torch.arange(T)[:, None] - torch.arange(T)[None, :]  # query minus key position
+    got = torch.stack([s[..., dist == d].mean() for d in range(T)])  # mean logit at each distance
+    theta = 10000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)  # (8,): the rotary pairs' rates
+    D = torch.arange(T, dtype=torch.float64)
+    kernel = torch.cos(theta[None, :] * D[:, None]).mean(dim=-1) if rope == "after" else torch.ones_like(D)
+    want = (t0 * math.exp(-(w * sigma) ** 2) * kernel).float()
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0)  # 512 x 4 x (T - D) samples of std < 1 each
+    if rope == "after":
+        assert got[0] - got[16] > 2.0  # near keys start two logits and more above far ones
+
+
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_gradients_finite_for_extreme_inputs(name):
     model = _gpt(VARIANTS[name])

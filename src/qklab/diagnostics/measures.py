@@ -36,6 +36,16 @@ def first_token(probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return probs.float()[:, :, _first_query_row(mask) :, 0].mean(dim=(0, 2))  # (H,)
 
 
+def distance(probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean attention distance (tokens): sum_j p_ij (i - j) averaged over queries at positions >= 1, per head
+    (uniform causal attention over T tokens gives T / 4; attention on the query's own token gives 0)."""
+    Tq, Tk = mask.shape
+    gap = (torch.arange(Tk - Tq, Tk, device=mask.device)[:, None] - torch.arange(Tk, device=mask.device)[None, :])
+    p = probs.float()[:, :, _first_query_row(mask) :]  # (B, H, Tq', Tk); masked keys hold p = 0
+    d = (p * gap.clamp_min(0)[_first_query_row(mask) :]).sum(dim=-1)  # (B, H, Tq')
+    return d.mean(dim=(0, 2))
+
+
 def sink_rate(first: torch.Tensor, threshold: float = SINK_THRESHOLD) -> float:
     """Share of heads (all entries of first, e.g. (L, H)) whose mean first-token weight exceeds threshold."""
     return (first > threshold).float().mean().item()

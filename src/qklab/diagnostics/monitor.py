@@ -25,9 +25,9 @@ from qklab.diagnostics.capture import (
     qk_hooks,
     qk_weight_norms,
 )
-from qklab.diagnostics.streamed import first_token_only, layer_stats, uniform_first_token
+from qklab.diagnostics.streamed import first_token_only, layer_stats, uniform_distance, uniform_first_token
 
-PER_HEAD = ("max_logit", "q_norm", "k_norm", "wq_norm", "wk_norm", "entropy", "first_token")
+PER_HEAD = ("max_logit", "q_norm", "k_norm", "wq_norm", "wk_norm", "entropy", "first_token", "distance")
 SINK_LEN = 64  # the sink rate is defined on 64-token inputs (When Attention Sink Emerges, ICLR 2025)
 
 
@@ -54,7 +54,7 @@ def snapshot(model: nn.Module, x: torch.Tensor, prev: Snapshot | None = None, st
         st = layer_stats(attn, q, k, prev.qk[i] if prev is not None else None)
         if consume and prev is not None:
             prev.qk[i] = None
-        for key in ("max_logit", "q_norm", "k_norm", "entropy", "first_token"):
+        for key in ("max_logit", "q_norm", "k_norm", "entropy", "first_token", "distance"):
             rows[key][i] = st[key].cpu()
         if prev is not None:
             rows["logit_change"][i] = st["logit_abs_change"].cpu() / max(int(steps), 1)
@@ -105,8 +105,10 @@ def summarise(heads: dict[str, torch.Tensor], sink: dict[str, object] | None = N
     rec["max_logit_max"] = heads["max_logit"].max().item()
     rec["entropy_mean"] = heads["entropy"].mean().item()
     rec["first_token_mean"] = heads["first_token"].mean().item()
+    rec["distance_mean"] = heads["distance"].mean().item()
     if seq_len is not None:
         rec["first_token_baseline"] = uniform_first_token(seq_len)
+        rec["distance_baseline"] = uniform_distance(seq_len)
     rec["sink_rate_at_T"] = M.sink_rate(heads["first_token"])  # the same threshold on the full-length batch
     if sink:
         rec["sink"] = sink

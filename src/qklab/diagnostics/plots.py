@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-HEAD_PANELS = ("max_logit", "logit_change", "entropy", "first_token", "q_norm", "k_norm", "wq_norm", "wk_norm")
+HEAD_PANELS = ("max_logit", "logit_change", "entropy", "first_token", "distance", "q_norm", "k_norm", "wq_norm",
+               "wk_norm")
 SINK_THRESHOLD = 0.3
 
 
@@ -56,9 +57,12 @@ def heatmap(ax, fig, a: np.ndarray, key: str, vmin: float, vmax: float, baseline
         ax.text(j, i, _fmt(v), ha="center", va="center", fontsize=small, color="black" if v > mid else "white")
     cb = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     cb.ax.tick_params(labelsize=7)
-    if key == "first_token":  # the reference levels on the colour bar, named in the title (no label on the ticks)
+    if key in ("first_token", "distance"):  # reference levels on the colour bar, named in the title (no tick labels)
         shown = []
-        for level, style, lab in ((baseline, ":", "dotted: uniform"), (SINK_THRESHOLD, "--", "dashed: sink 0.3")):
+        levels = [(baseline, ":", "dotted: uniform")]
+        if key == "first_token":
+            levels.append((SINK_THRESHOLD, "--", "dashed: sink 0.3"))
+        for level, style, lab in levels:
             if level is not None and vmin <= level <= vmax:
                 cb.ax.axhline(level, color="red", ls=style, lw=1.2)
                 shown.append(lab)
@@ -83,8 +87,8 @@ def plot_heads(heads: dict[str, Any], title: str, path: Path, seq_len: int | Non
     """One heatmap (layer x head) per per-head measurement, plus the first-token attention on 64-token
     inputs (the sink measurement) when present."""
     plt = _pyplot()
-    panels = [(k, np.asarray(heads[k], dtype=float), heads.get("first_token_baseline")) for k in HEAD_PANELS
-              if k in heads]
+    panels = [(k, np.asarray(heads[k], dtype=float), heads.get(f"{k}_baseline")) for k in HEAD_PANELS
+              if k in heads]  # a uniform-attention baseline: first_token's and distance's
     sink = heads.get("sink")
     if sink:
         panels.insert(4, ("first_token", np.asarray(sink["first_token"], dtype=float), sink["first_token_baseline"]))
@@ -266,6 +270,6 @@ def plot_compare(results: dict[str, dict[str, Any]], path: Path, keys=("max_logi
         arrays = [np.asarray(results[lab]["heads"][key], dtype=float) for lab in labels]
         vmin, vmax = shared_range(arrays, key)
         for i, lab in enumerate(labels):
-            heatmap(axes[i, j], fig, arrays[i], key, vmin, vmax, results[lab]["heads"].get("first_token_baseline"))
+            heatmap(axes[i, j], fig, arrays[i], key, vmin, vmax, results[lab]["heads"].get(f"{key}_baseline"))
             axes[i, j].set_title(f"{lab}: {key}", fontsize=8)
     return _save(plt, fig, "runs on one colour scale per measurement", path)

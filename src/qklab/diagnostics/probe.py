@@ -166,16 +166,20 @@ def run_probe(path: str | Path, out: str | Path | None = None, opts: ProbeOption
 def summary_table(r: dict[str, Any]) -> str:
     h = r["heads"]
     lines = [f"probe: {r['checkpoint']}  step {r['step']}  qk.method={r['qk_method']}",
-             f"{'layer':>5} {'max logit':>10} {'entropy':>8} {'1st tok':>8} {'sinks':>6} {'|q|':>7} {'|k|':>7}"
+             f"{'layer':>5} {'max logit':>10} {'entropy':>8} {'1st tok':>8} {'dist':>7} {'sinks':>6} {'|q|':>7} "
+             f"{'|k|':>7}"
              + (f" {'dlogit/step':>12}" if "logit_change" in h else "")]
     for i in range(len(h["max_logit"])):
         row = (f"{i:>5} {max(h['max_logit'][i]):>10.2f} {_mean(h['entropy'][i]):>8.3f} "
-               f"{_mean(h['first_token'][i]):>8.3f} {h['sink_rate_per_layer'][i]:>6.2f} "
+               f"{_mean(h['first_token'][i]):>8.3f} {_dist(h, i):>7} {h['sink_rate_per_layer'][i]:>6.2f} "
                f"{_mean(h['q_norm'][i]):>7.2f} {_mean(h['k_norm'][i]):>7.2f}")
         if "logit_change" in h:
             row += f" {_mean(h['logit_change'][i]):>12.2e}"
         lines.append(row)
     sk = h["sink"]
+    if "distance" in h:
+        lines.append(f"mean attention distance (mean over heads) {h['distance_mean']:.1f} tokens, uniform "
+                     f"{h['distance_baseline']:.1f} at T={r['train_seq_len']}")
     lines.append(f"first-token attention (mean over heads) {h['first_token_mean']:.3f}, uniform "
                  f"{h['first_token_baseline']:.3f} at T={r['train_seq_len']}; at {sk['seq_len']} tokens "
                  f"{sk['first_token_mean']:.3f} (uniform {sk['first_token_baseline']:.3f}), sink rate "
@@ -213,3 +217,8 @@ def summary_table(r: dict[str, Any]) -> str:
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
+
+
+def _dist(h: dict[str, Any], layer: int) -> str:
+    """The layer's mean attention distance, '-' in a probes.json written before it was measured."""
+    return f"{_mean(h['distance'][layer]):.1f}" if "distance" in h else "-"

@@ -26,13 +26,14 @@ def layer_stats(attn: nn.Module, q: torch.Tensor, k: torch.Tensor,
                 prev: tuple[torch.Tensor, torch.Tensor] | None = None,
                 budget: int | None = None) -> dict[str, torch.Tensor]:
     """q (B, H, T, F), k (B, Hk, T, F) of one layer -> per-head (H,) fp32 on q's device:
-    max_logit, entropy, first_token, q_norm, k_norm, and logit_abs_change (mean |s - s_prev| over
-    allowed pairs, not yet divided by steps) when ``prev`` = (q, k) of an earlier evaluation is given."""
+    max_logit, entropy, first_token, distance (mean attention distance in tokens), q_norm, k_norm, and
+    logit_abs_change (mean |s - s_prev| over allowed pairs, not yet divided by steps) when ``prev`` = (q, k)
+    of an earlier evaluation is given."""
     B, H, T, _ = q.shape
     dev = q.device
     pq, pk = (p.to(dev) for p in prev) if prev is not None else (None, None)
     mx = torch.full((H,), float("-inf"), device=dev)
-    ent, first, change = (torch.zeros(H, device=dev) for _ in range(3))
+    ent, first, dist, change = (torch.zeros(H, device=dev) for _ in range(4))
     step = row_chunk(B, H, T, budget or CHUNK_ELEMENTS)
     for r0 in range(0, T, step):
         r1 = min(T, r0 + step)
@@ -43,13 +44,15 @@ def layer_stats(attn: nn.Module, q: torch.Tensor, k: torch.Tensor,
         lo = 1 if r0 == 0 else 0  # drop query 0
         ent += -torch.special.xlogy(p, p).sum(dim=-1)[:, :, lo:].sum(dim=(0, 2))
         first += p[:, :, lo:, 0].sum(dim=(0, 2))
+        gap = (torch.arange(r0, r1, device=dev)[:, None] - torch.arange(T, device=dev)[None, :]).clamp_min(0)  # (c, T)
+        dist += (p[:, :, lo:] * gap[lo:]).sum(dim=(0, 2, 3))
         if pq is not None:
             sp = logit_rows(attn, pq, pk, r0, r1)  # (B, H, c, T)
             d = (s.masked_fill(~mask, 0.0) - sp.masked_fill(~mask, 0.0)).abs()
             change += d.sum(dim=(0, 2, 3))
         del s, p
     n_rows = B * max(T - 1, 1)
-    out = {"max_logit": mx, "entropy": ent / n_rows, "first_token": first / n_rows,
+    out = {"max_logit": mx, "entropy": ent / n_rows, "first_token": first / n_rows, "distance": dist / n_rows,
            "q_norm": per_query_head(q.float().norm(dim=-1).mean(dim=(0, 2)), H),
            "k_norm": per_query_head(k.float().norm(dim=-1).mean(dim=(0, 2)), H)}
     if pq is not None:
@@ -67,6 +70,12 @@ def first_token_only(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, budget: 
         s = logit_rows(attn, q, k, r0, r1).masked_fill(~_causal_rows(r0, r1, T, q.device), float("-inf"))
         first += torch.softmax(s, dim=-1)[:, :, 1 if r0 == 0 else 0 :, 0].sum(dim=(0, 2))
     return first / (B * max(T - 1, 1))
+
+
+def uniform_distance(T: int) -> float:
+    """Mean attention distance of uniform causal attention: query i spreads over distances 0..i, mean i / 2,
+    averaged over queries i = 1..T-1: T / 4."""
+    return T / 4.0 if T > 1 else 0.0
 
 
 def uniform_first_token(T: int) -> float:

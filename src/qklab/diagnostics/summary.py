@@ -14,7 +14,8 @@ def probe_summary(probes: dict[str, Any]) -> dict[str, Any]:
     """The headline numbers of one probe result; a quantity that was not measured is None.
 
     step; max_logit; first_token and first_token_baseline (mean first-token attention over heads on the
-    T-token probe batch, and the same for uniform attention); sink_first_token, sink_first_token_baseline
+    T-token probe batch, and the same for uniform attention); distance and distance_baseline (mean attention
+    distance in tokens over heads, and T / 4 for uniform attention); sink_first_token, sink_first_token_baseline
     and sink_rate (64-token inputs, share of heads above 0.3); retrieval_length (the longest N <= T),
     evidence_mass (+ _std), evidence_mass_uniform, log_contrast (+ _std), top1_rank (mean rank, + _std),
     top1_share, retrieval_accuracy, retrieval_head ("L<layer>.H<head>"); induction_contrast at that length
@@ -28,6 +29,8 @@ def probe_summary(probes: dict[str, Any]) -> dict[str, Any]:
         "max_logit": heads.get("max_logit_max"),
         "first_token": heads.get("first_token_mean"),
         "first_token_baseline": heads.get("first_token_baseline"),
+        "distance": heads.get("distance_mean"),
+        "distance_baseline": heads.get("distance_baseline"),
         "sink_first_token": sink.get("first_token_mean"),
         "sink_first_token_baseline": sink.get("first_token_baseline"),
         "sink_rate": sink.get("rate"),

@@ -37,7 +37,8 @@ from qklab.methods import HEAD_SERIES
 
 SCHEMA = 1
 CURVE_POINTS = 64
-HEAD_KEYS = ("max_logit", "logit_change", "first_token", "entropy", "q_norm", "k_norm", "wq_norm", "wk_norm")
+HEAD_KEYS = ("max_logit", "logit_change", "first_token", "entropy", "distance", "q_norm", "k_norm", "wq_norm",
+             "wk_norm")
 SERIES_KEYS = ("max_logit", "logit_change", "wq_norm", "wk_norm")  # per head over time (head_series)
 SERIES_POINTS = 32
 DIVERGENCE_RULE = ("diverged = a non-finite loss or gradient was met, or the final selection-split loss is above "
