@@ -40,10 +40,10 @@ def distance(probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean attention distance (tokens): sum_j p_ij (i - j) averaged over queries at positions >= 1, per head
     (uniform causal attention over T tokens gives T / 4; attention on the query's own token gives 0)."""
     Tq, Tk = mask.shape
-    gap = (torch.arange(Tk - Tq, Tk, device=mask.device)[:, None] - torch.arange(Tk, device=mask.device)[None, :])
-    p = probs.float()[:, :, _first_query_row(mask) :]  # (B, H, Tq', Tk); masked keys hold p = 0
-    d = (p * gap.clamp_min(0)[_first_query_row(mask) :]).sum(dim=-1)  # (B, H, Tq')
-    return d.mean(dim=(0, 2))
+    r = _first_query_row(mask)
+    gap = torch.arange(Tk - Tq + r, Tk, device=mask.device)[:, None] - torch.arange(Tk, device=mask.device)  # (Tq', Tk)
+    p = probs.float()[:, :, r:]  # (B, H, Tq', Tk); masked keys hold p = 0
+    return (p * gap.clamp_min(0)).sum(dim=-1).mean(dim=(0, 2))
 
 
 def sink_rate(first: torch.Tensor, threshold: float = SINK_THRESHOLD) -> float:
