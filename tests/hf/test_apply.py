@@ -187,7 +187,7 @@ def test_generate_equals_greedy_full_forwards(family, method, opts):
 def test_apply_refuses_bad_input():
     """Every refusal is the CLI's one-line ConfigError; a controller's name says which call takes it."""
     model = tiny_model("llama")
-    with pytest.raises(ConfigError, match="unknown QK method 'qknrom'; choose one of none, qkguard, qkmap,") as e:
+    with pytest.raises(ConfigError, match="unknown QK method 'qknrom'; choose one of alibi, none, qkguard,") as e:
         apply(model, "qknrom")
     assert "controller" not in str(e.value)
     with pytest.raises(ConfigError) as e:
@@ -218,11 +218,11 @@ def _deepseek(version="v3", q_lora=20, interleave=True, seed=0):
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
-@pytest.mark.parametrize("method, opts", [("qknorm", {}), ("softcap", {"cap": 2.0})])
+@pytest.mark.parametrize("method, opts", [("qknorm", {}), ("softcap", {"cap": 2.0}), ("alibi", {"slope_scale": 4.0})])
 @pytest.mark.parametrize("version, q_lora, interleave", [("v3", 20, True), ("v3", None, False), ("v2", 20, True)])
 def test_deepseek_layer_equals_qklab_mla(version, q_lora, interleave, method, opts):
     from qklab.hf.deepseek import load_deepseek_attention, mla_config
-    from qklab.methods.softcap import SoftCapOptions
+    from qklab.methods import METHODS
     from qklab.model import MLAttention
 
     model = apply(_deepseek(version, q_lora, interleave), method, **opts)
@@ -230,7 +230,7 @@ def test_deepseek_layer_equals_qklab_mla(version, q_lora, interleave, method, op
     with torch.no_grad():
         for p in mod.qk_method.parameters():  # non-trivial QK-Norm gains
             p.uniform_(0.5, 1.5)
-    options = {"softcap": SoftCapOptions(**opts)} if method == "softcap" else {}
+    options = {method: METHODS[method].Options(**opts)}
     ours = MLAttention(mla_config(model.config, attn_impl="eager"), QKConfig(method=method, options=options), 1)
     load_deepseek_attention(ours.eval(), mod)  # QK-Norm gains included (rope part permuted)
     B, T = 2, 20
@@ -246,7 +246,8 @@ def test_deepseek_layer_equals_qklab_mla(version, q_lora, interleave, method, op
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("method, opts", [("none", {}), ("qknorm", {}), ("softcap", {"cap": 2.0})])
+@pytest.mark.parametrize("method, opts", [("none", {}), ("qknorm", {}), ("softcap", {"cap": 2.0}),
+                                          ("alibi", {"slope_scale": 4.0})])
 def test_deepseek_generate_and_padding(method, opts):
     model = apply(_deepseek(), method, **opts)
     check_padded_generation(model)

@@ -1,6 +1,6 @@
 """qklab.hf.apply with QUEST, SSMax and the QK-Norm variants on a tiny Llama (built from a config): each
 layer equals qklab's own attention module with the same weights, and cached generate() equals greedy full
-forwards (SSMax counts keys from the position ids, left padding included)."""
+forwards (SSMax counts keys and ALiBi distances from the position ids, left padding included)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from qklab.model import Attention, Rope  # noqa: E402
 from tests.hf.common import HKV, C, H, check_padded_generation, tiny_model  # noqa: E402
 from tests.hf.test_apply import _causal, _rotary  # noqa: E402
 
-CASES = [("quest", {}), ("quest", {"head_scale": True}), ("ssmax", {"ref_len": 16}),
+CASES = [("quest", {}), ("quest", {"head_scale": True}), ("ssmax", {"ref_len": 16}), ("alibi", {"slope_scale": 4.0}),
          ("qknorm", {"q_gain": False}), ("qknorm", {"stats": "flat", "gains": "head"}), ("qknorm", {"p": 3.0})]
 
 
@@ -44,7 +44,8 @@ def test_layer_equals_qklab_attention(method, opts):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("method, opts", [("quest", {}), ("ssmax", {"ref_len": 16}), ("qknorm", {"p": 3.0})], ids=str)
+@pytest.mark.parametrize("method, opts", [("quest", {}), ("ssmax", {"ref_len": 16}), ("qknorm", {"p": 3.0}),
+                                          ("alibi", {"slope_scale": 4.0})], ids=str)
 def test_generate_and_left_padding(method, opts):
     model = apply(tiny_model("llama"), method, **opts)
     check_padded_generation(model)

@@ -33,6 +33,7 @@ CASES = {  # name: (method, options, attn_gate, attn_sink)
     "quest-headscale": ("quest", {"head_scale": True}, "none", False),
     "softcap": ("softcap", {"cap": 2.0}, "none", False),
     "ssmax": ("ssmax", {"ref_len": 16}, "none", False),
+    "alibi": ("alibi", {"slope_scale": 4.0}, "none", False),
     "gate-head": ("none", {}, "head", False),
     "gate-element": ("none", {}, "element", False),
     "sink": ("none", {}, "none", True),

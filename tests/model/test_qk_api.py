@@ -112,7 +112,7 @@ def test_to_half_and_back():
     assert to_half(torch.arange(8.0)).tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
 
 
-AFTER_ROPE_OK = {"none": {}, "quest": {"head_scale": True}, "ssmax": {}, "softcap": {"cap": 3.0},
+AFTER_ROPE_OK = {"none": {}, "quest": {"head_scale": True}, "ssmax": {}, "softcap": {"cap": 3.0}, "alibi": {},
                  "qknorm": {"q_gain": False, "k_gain": False}, "qknorm_flat": {"q_gain": False, "k_gain": False,
                                                                                 "stats": "flat"}}
 

@@ -1,7 +1,7 @@
 """qklab's methods on other people's models.
 
 * ``apply(model, method, attn_gate=..., attn_sink=..., **options)``: a forward-side method (qknorm, qkmap,
-  quest, ssmax, softcap), and optionally the attention gate (``"head"`` or ``"element"``) and a learnable
+  quest, ssmax, softcap, alibi), and optionally the attention gate (``"head"`` or ``"element"``) and a learnable
   per-head sink logit, in every attention layer of a transformers Llama / Mistral / Qwen2 / Qwen3 causal LM.
 * ``attach(model, optimizer, controller, **options)``: an optimizer-side controller (quack, qkclip,
   qk_lr_multiplier, compositional) on any PyTorch model (``qklab.attach`` is the same function).

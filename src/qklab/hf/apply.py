@@ -12,6 +12,8 @@ model switches to the ``"qklab"`` attention function and mask. What each method 
 * ``quest``: keys normalised to the sphere, logits unscaled (the family's q/k norms are dropped).
 * ``ssmax``: q times s_h log(position id + 1) (left padding and the cache offset counted from the
   position ids); the family's q/k norms stay in front of it.
+* ``alibi``: the bias -m_h (i - j) rides in two extra q/k features (positions from the position ids); the
+  family's q/k norms stay, and the cache holds keys two features wider than the values.
 * ``qknorm`` variants (``q_gain``, ``stats``, ``gains``, ``p``): as in qklab's attention; per-head gains
   start from a Qwen3 model's shared ones, tiled.
 * ``none``: returns the model untouched (unless it adds a gate or a sink, below; the family's q/k norms stay).
@@ -254,8 +256,8 @@ def convert(model: nn.Module, method: str, opts: object, attn_gate: str = "none"
 
 def _convert(mod: nn.Module, qm: QKMethod, method: str, H: int, Hkv: int, D: int, init_std: float) -> None:
     """One Llama-style layer to the forward-side method ``qm``."""
-    if qm.feature_dim() != D:
-        raise ConfigError(f"{method} with these options gives q/k features of width {qm.feature_dim()}, but the "
+    if qm.rotated_dim() != D:
+        raise ConfigError(f"{method} with these options rotates q/k features of width {qm.rotated_dim()}, but the "
                          f"model's RoPE has head_dim={D}; use options that keep the width (compute-matched)")
     qm.reset_parameters()
     p = mod.q_proj.weight

@@ -308,8 +308,8 @@ class QKDeepSeekMixin:
         q, k = m.map_qk(q, k, DeepSeekRope(self, position_embeddings, kwargs.get("position_ids")), 0)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
-        F_ = q.shape[-1]
-        scaling = self.scaling * m.scale(F_) * F_**0.5  # DeepSeek's scale (YaRN mscale included) x the method's
+        # the method's scale times DeepSeek's YaRN correction (its scaling over the plain 1 / sqrt(nope + rope))
+        scaling = m.scale(q.shape[-1]) * self.scaling * (n + r) ** 0.5
         attend = attention_function(self)
         out, w = attend(self, q, k, v, attention_mask, scaling=scaling,
                         dropout=self.attention_dropout if self.training else 0.0, **kwargs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from qklab.methods.alibi import ALiBi
 from qklab.methods.base import AttnShape, QKController, QKMethod
 from qklab.methods.compositional import Compositional
 from qklab.methods.qk_lr_multiplier import QKLRMultiplier
@@ -25,6 +26,7 @@ METHODS: dict[str, type[QKMethod]] = {
     "quest": Quest,
     "ssmax": SSMax,
     "qkguard": QKGuard,
+    "alibi": ALiBi,
 }
 
 # optimizer-side: name -> QKController subclass

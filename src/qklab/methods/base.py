@@ -16,8 +16,8 @@ A QK method is either forward-side or optimizer-side:
 
 Adding a method means one new file with a subclass (and its ``Options`` dataclass, whose fields state
 their ranges and choices: ``qklab.fields``) plus one registry line in ``qklab.methods``. The
-subclass overrides what it changes, and nothing else: the widths
-(``proj_dim``, ``qk_in_dim``, ``feature_dim``, ``qk_init_std``), the maps (``map_input``, ``map_qk``, and
+subclass overrides what it changes, and nothing else: the widths (``proj_dim``, ``qk_in_dim``,
+``feature_dim``, ``rotated_dim``, ``qk_init_std``), the maps (``map_input``, ``map_qk``, and
 ``latent_map`` for MLA's latent cache), ``scale``, ``logits`` (with ``modifies_logits``) and ``raw_logit``,
 QK-clip's ``clip_refusal`` and ``clip_logits``, ``after_rope_refusal``, a watch on its own logits
 (``watches_logits``, ``step_end``, ``step_metrics``: QK-Guard), and its parameters'
@@ -122,6 +122,10 @@ class QKMethod(nn.Module):
     def feature_dim(self) -> int:
         """Per-head width of q and k after the map (what enters the dot product and the KV cache)."""
         return self.proj_dim()
+
+    def rotated_dim(self) -> int:
+        """Per-head width of the q and k features RoPE rotates (a model's own RoPE tables must have it)."""
+        return self.feature_dim()
 
     def map_qk(self, q: torch.Tensor, k: torch.Tensor, rope: Rope, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """q: (B, H, T, d'), k: (B, Hkv, T, d') straight from the projections; returns the q, k that
