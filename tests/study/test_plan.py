@@ -67,7 +67,8 @@ def test_parse_fills_every_parameter_and_hashes_them():
     ({"qkmap.nothing": {}}, "no such claim"),
     ({"qkmap.val_vs_none": {"delta": 1}}, "unknown key"),
     ({"qkmap.val_vs_none": {"alpha": 2}}, "between 0 and 1"),
-    ({"qkmap.val_vs_none": {"test": "t"}}, "sign-flip"),
+    ({"qkmap.val_vs_none": {"test": "wilcoxon"}}, "sign-flip"),
+    ({"quack.stable_mha": {"test": "t"}}, "grid"),
     ({"quack.logits_mha": {"rate": "fast"}}, "highest-shared-stable"),
     ({"colour": "red", "qkmap.val_vs_none": {}}, "unknown key"),
     ({"alpha": 0.05}, "registers no claim"),
@@ -215,3 +216,32 @@ def test_a_family_the_seeds_cannot_resolve_is_named():
     assert family_power(plan, 7) == []
     (line,) = family_power(plan, 6)
     assert line.startswith("family QK-MAP: 2 registered sign-flip claim(s) at alpha 0.05 need 7 paired seeds")
+
+
+def test_recency_claims_read_alibi_against_none_and_qkmap_by_the_paired_t_test():
+    """studies/recency_english.toml's two claims on planted losses: the paired t-test's p (df 2: the closed
+    form 1 - |t| / sqrt(t^2 + 2)), Holm over the family of two, and the verdicts the registered reading needs."""
+    def group(variant, losses):
+        g = _groups("r", [0.0] * len(losses))[1]  # a `none` group, renamed and refilled
+        at = {**g.at_chosen, "report_loss": dict(enumerate(losses))}
+        return Group(**{**g.__dict__, "variant": variant, "method": variant, "at_chosen": at})
+    none = [4.0, 4.1, 3.9]
+    alibi = [n + d for n, d in zip(none, [-0.30, -0.25, -0.35], strict=True)]
+    qkmap = [a + d for a, d in zip(alibi, [-0.01, 0.02, -0.02], strict=True)]
+    groups = [group("none", none), group("alibi", alibi), group("qkmap", qkmap)]
+    plan = parse_plan({"recency.alibi_vs_none": {"test": "t"}, "recency.qkmap_vs_alibi": {"test": "t"}})
+    rows = {r.id: r for r in claims_table(groups, {"r": {"name": "r", "plan": {"claims": plan}}})}
+
+    def p_t(diffs):
+        n = len(diffs)
+        mean = sum(diffs) / n
+        sd = (sum((d - mean) ** 2 for d in diffs) / (n - 1)) ** 0.5
+        t = mean / (sd / n ** 0.5)
+        return 1 - abs(t) / (t * t + 2) ** 0.5
+    p1, p2 = p_t([-0.30, -0.25, -0.35]), p_t([-0.01, 0.02, -0.02])
+    a, b = rows["recency.alibi_vs_none"], rows["recency.qkmap_vs_alibi"]
+    assert a.family == b.family == "Recency prior" and a.status == b.status == "confirmatory"
+    assert a.stats.mean == pytest.approx(-0.30) and b.stats.mean == pytest.approx(-0.01 / 3)
+    assert a.stats.p == pytest.approx(p1, rel=1e-6) and b.stats.p == pytest.approx(p2, rel=1e-6)
+    assert a.p_holm == pytest.approx(2 * p1) and b.p_holm == pytest.approx(max(2 * p1, p2))
+    assert a.verdict == "agree" and b.verdict == "inconclusive"  # the prior alone, by the registered reading

@@ -28,6 +28,7 @@ from qklab.study.scale_measures import logit_by_rate, logit_by_width, sensitivit
 
 SIGN_FLIP, GRID, T_TEST = "sign-flip", "grid", "t"
 QKMAP_FAMILY, QUACK_FAMILY, SCALE_FAMILY, CONTROL = "QK-MAP", "QuacK", "Scale", "control"
+RECENCY_FAMILY = "Recency prior"
 
 # A claim's kind is the parameters it takes: a dataclass, each parameter a field with its default, its
 # meaning and its valid values (a range in its metadata, choices as a Literal type), checked as the run
@@ -47,6 +48,8 @@ class Tested:
 
 @dataclass(frozen=True)
 class Loss(Tested):
+    test: Literal["sign-flip", "t"] = option(SIGN_FLIP, "exact sign-flip test over paired seeds, or the paired "
+                                             "t-test (3 seeds: the sign-flip test cannot go below p = 0.25)")
     rate: Literal["tuned"] = option("tuned", "each variant at its tuned rate")
     margin: float = option(0.0, "nats the difference must clear", at_least(0))
     pairing: Literal["best", "same-tau"] = option("best", "the reference's best variant, or the same tau")
@@ -134,6 +137,7 @@ class Claim:
 MHA, MLA = "mha", "mla"
 QKMAP, STD, QKN = (MHA, "qkmap", "none"), (MHA, "none", "none"), (MHA, "qknorm", "none")
 QUACK, MLA_QUACK, MLA_STD = (MHA, "none", "quack"), (MLA, "none", "quack"), (MLA, "none", "none")
+ALIBI = (MHA, "alibi", "none")
 
 def _slower(name: str, cid: str, method: str, controller: str = "none", control: bool = False) -> Claim:
     """A scale claim: ``name``'s LR sensitivity grows less with width than `none`'s."""
@@ -273,5 +277,17 @@ _CLAIMS = [
     _slower("QK-MAP", "qkmap", "qkmap"),
     _slower("QuacK", "quack", "none", "quack"),
     _slower("QUEST", "quest", "quest"),
+    # Is QK-MAP's lead the recency prior it starts with (docs/qk-map.md)? ALiBi's bias gives standard
+    # attention a known one: a study's own claims, read together (studies/recency_english.toml).
+    Claim("recency.alibi_vs_none", RECENCY_FAMILY, "loss",
+          "a recency prior alone (ALiBi's bias on RoPE attention) gives lower validation loss than Standard "
+          "attention",
+          "report-split loss, alibi minus `none`, each at its tuned rate, paired over seeds",
+          less(ALIBI, STD, "report_loss", "report loss"), defaults={"test": T_TEST}, own=True),
+    Claim("recency.qkmap_vs_alibi", RECENCY_FAMILY, "loss",
+          "QK-MAP's lower loss is more than a recency prior: lower validation loss than ALiBi's bias on RoPE "
+          "attention",
+          "report-split loss, QK-MAP minus alibi, each at its tuned rate, paired over seeds",
+          less(QKMAP, ALIBI, "report_loss", "report loss"), defaults={"test": T_TEST}, own=True),
 ]
 CATALOGUE: dict[str, Claim] = {c.id: c for c in _CLAIMS}
