@@ -26,7 +26,7 @@ B, H, HK, T, D = 2, 6, 2, 9, 16
 
 def _logits(m, q, k, pos=0):
     """The method's pre-softmax logits (B, H, T, T) through its map and scale, GQA keys repeated."""
-    qm, km = m.map_qk(q, k, Rope(64, 10000.0), pos)
+    qm, km = m.map_qk(q, k, Rope(4096, 10000.0), pos)
     km = km.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     return (qm @ km.transpose(-2, -1)) * m.scale(qm.shape[-1])
 
@@ -134,3 +134,23 @@ def test_bad_option_is_one_line():
     with pytest.raises(ConfigError, match="qk.alibi.slope_scale=-1.0 is out of range: it must be >= 0") as e:
         load_config("tiny", ["qk.method=alibi", "qk.alibi.slope_scale=-1"])
     assert "\n" not in str(e.value)
+
+
+def test_bf16_keeps_the_bias_exact_far_from_position_zero():
+    """At positions near 3000, bf16 rounds a position to a multiple of 16: a bias built on -m_h i and j
+    themselves would be off by several nats. The base-256 key digits keep it exact: bf16 attention
+    probabilities equal the fp64 formula's to bf16's precision of q . k alone."""
+    torch.manual_seed(5)
+    m = ALiBi(AttnShape(96, H, HK, D, 0, 2), ALiBiOptions())
+    q, k = torch.randn(1, H, T, D, dtype=torch.float64), torch.randn(1, HK, T, D, dtype=torch.float64)
+    pos = 3001
+    mask = causal_mask(T, T, q.device)
+    got = _logits(m, q.bfloat16(), k.bfloat16(), pos).float().masked_fill(~mask, float("-inf")).softmax(-1)
+    rq, rk = complex_rope(q, pos, 10000.0), complex_rope(k, pos, 10000.0).repeat_interleave(H // HK, 1)
+    i = torch.arange(T, dtype=torch.float64)
+    slopes = torch.tensor(alibi_slopes(H), dtype=torch.float64).view(1, H, 1, 1)
+    ref = (rq @ rk.transpose(-2, -1) / math.sqrt(D) - slopes * (i[:, None] - i[None, :]))
+    ref = ref.masked_fill(~mask, float("-inf")).softmax(-1)
+    plain = (rq @ rk.transpose(-2, -1) / math.sqrt(D)).masked_fill(~mask, float("-inf")).softmax(-1)
+    tol = (plain - ref).abs().max().item() / 20  # well inside the bias's own effect
+    assert (got.double() - ref).abs().max() < min(tol, 0.05)

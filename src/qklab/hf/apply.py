@@ -12,8 +12,8 @@ model switches to the ``"qklab"`` attention function and mask. What each method 
 * ``quest``: keys normalised to the sphere, logits unscaled (the family's q/k norms are dropped).
 * ``ssmax``: q times s_h log(position id + 1) (left padding and the cache offset counted from the
   position ids); the family's q/k norms stay in front of it.
-* ``alibi``: the bias -m_h (i - j) rides in two extra q/k features (positions from the position ids); the
-  family's q/k norms stay, and the cache holds keys two features wider than the values.
+* ``alibi``: the bias -m_h (i - j) rides in three extra q/k features (positions from the position ids); the
+  family's q/k norms stay, and the cache holds keys three features wider than the values.
 * ``qknorm`` variants (``q_gain``, ``stats``, ``gains``, ``p``): as in qklab's attention; per-head gains
   start from a Qwen3 model's shared ones, tiled.
 * ``none``: returns the model untouched (unless it adds a gate or a sink, below; the family's q/k norms stay).

@@ -10,14 +10,16 @@ qklab's models rotate q and k with RoPE, and this method keeps that rotation: it
 of standard attention (the control for QK-MAP's starting recency prior, docs/qk-map.md), not the paper's
 model without position embeddings. ``slope_scale`` multiplies every slope (0: standard attention).
 
-The bias travels in q and k, so the fused kernels, GQA and the KV cache keep working: two features are
-appended, q_i -> (q_i, sqrt(d) m_h, -sqrt(d) m_h i) and k_j -> (k_j, j, 1), whose dot product times the
-scale 1 / sqrt(d) (d: the per-head width before the extra features) is m_h (j - i). Positions are the
-absolute ones (the KV cache offset included; a left-padded transformers batch: its position ids), so the
-bias depends on i - j alone. The features hold i and j in q's dtype: exact in fp32 (to some 2^24
-positions); in bf16 a position above 256 is rounded, so at long context a bf16 model's bias is off by up to
-m_h (i - j) / 256. An MLA latent cache cannot hold the key features (they are not a rotation of the
-latent's keys): MLA materialises per-head keys.
+The bias travels in q and k, so the fused kernels, GQA and the KV cache keep working: three features are
+appended, q_i -> (q_i, 256 c_h, c_h, -c_h i) and k_j -> (k_j, a_j, b_j, 1), with c_h = sqrt(d) m_h (d: the
+per-head width before the extra features) and j = 256 a_j + b_j; their dot product times the scale
+1 / sqrt(d) is m_h (j - i). Positions are the absolute ones (the KV cache offset included; a left-padded
+transformers batch: its position ids), so the bias depends on i - j alone. The split of j into two base-256
+digits keeps the bias exact in bf16 too (to 65536 positions): the key digits are integers below 256, exact
+in bf16, so only c_h is rounded, once (each slope off by at most 2^-9 of itself); -c_h i is rounded as well,
+but it is the same for every key of query i, which the softmax ignores (it moves only the row's logits as a
+whole: the max-logit reading, and a sink's share where there is one). An MLA latent cache cannot hold the
+key features (they are not a rotation of the latent's keys): MLA materialises per-head keys.
 """
 
 from __future__ import annotations
@@ -48,10 +50,13 @@ def alibi_slopes(n_heads: int) -> list[float]:
     return power_of_two(low) + power_of_two(2 * low)[0::2][: n_heads - low]
 
 
+EXTRA = 3  # the bias features appended to q and k
+
+
 class ALiBi(QKMethod):
     name = "alibi"
     Options = ALiBiOptions
-    latent_cache_ok = False  # the key features (j, 1) are no rotation of MLA's latent keys
+    latent_cache_ok = False  # the key features (a_j, b_j, 1) are no rotation of MLA's latent keys
     keeps_model_qk_norm = True  # qklab.hf: it biases whatever (normalised) q and k the model makes
 
     def __init__(self, shape: AttnShape, opts: ALiBiOptions) -> None:
@@ -61,22 +66,23 @@ class ALiBi(QKMethod):
         self.slopes = tuple(m * float(opts.slope_scale) for m in alibi_slopes(shape.n_heads))  # (H,)
 
     def feature_dim(self) -> int:
-        return self.proj_dim() + 2
+        return self.proj_dim() + EXTRA
 
     def rotated_dim(self) -> int:
         return self.proj_dim()  # RoPE turns q and k; the bias features are appended unrotated
 
     def scale(self, feature_dim: int) -> float:
-        return 1.0 / math.sqrt(feature_dim - 2)  # the scale of q . k alone; the bias features carry their own
+        return 1.0 / math.sqrt(feature_dim - EXTRA)  # the scale of q . k alone; the bias features carry their own
 
     def map_qk(self, q, k, rope, pos):
-        # q (B, H, T, d), k (B, Hkv, T, d) -> (B, H, T, d + 2), (B, Hkv, T, d + 2)
+        # q (B, H, T, d), k (B, Hkv, T, d) -> (B, H, T, d + 3), (B, Hkv, T, d + 3)
         dt = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 q
         i = positions_of(rope, q, pos).to(dt)  # (T,) or (B, T)
         i = i.view(-1 if i.ndim == 2 else 1, 1, q.shape[2], 1)  # (1 | B, 1, T, 1)
-        m = torch.tensor(self.slopes, dtype=dt, device=q.device).view(1, -1, 1, 1) * math.sqrt(self.proj_dim())
-        q_ext = torch.cat(torch.broadcast_tensors(m, -m * i), dim=-1)  # (1 | B, H, T, 2): sqrt(d) m_h (1, -i)
-        k_ext = torch.cat([i, torch.ones_like(i)], dim=-1)  # (1 | B, 1, T, 2): (j, 1)
+        c = torch.tensor(self.slopes, dtype=dt, device=q.device).view(1, -1, 1, 1) * math.sqrt(self.proj_dim())
+        q_ext = torch.cat(torch.broadcast_tensors(256 * c, c, -c * i), dim=-1)  # (1 | B, H, T, 3)
+        hi = torch.div(i, 256, rounding_mode="floor")
+        k_ext = torch.cat([hi, i - 256 * hi, torch.ones_like(i)], dim=-1)  # (1 | B, 1, T, 3): (a_j, b_j, 1)
         q, k = rope(q, pos), rope(k, pos)
         q_ext = q_ext.to(q.dtype).expand(q.shape[0], -1, -1, -1)
         k_ext = k_ext.to(k.dtype).expand(k.shape[0], k.shape[1], -1, -1)
