@@ -154,3 +154,18 @@ def test_bf16_keeps_the_bias_exact_far_from_position_zero():
     plain = (rq @ rk.transpose(-2, -1) / math.sqrt(D)).masked_fill(~mask, float("-inf")).softmax(-1)
     tol = (plain - ref).abs().max().item() / 20  # well inside the bias's own effect
     assert (got.double() - ref).abs().max() < min(tol, 0.05)
+
+
+def test_qkclip_keeps_clipped_heads_at_or_below_tau():
+    """QK-clip shrinks W_Q, W_K by g = tau / S on logits s + b that include the bias b <= 0, which does not
+    scale with the weights: g s + b <= g (s + b) <= tau, so a clipped head ends at or below tau (conservative),
+    and a head below tau is untouched."""
+    from tests.conftest import tiny_gpt
+    from tests.methods.test_controllers import _blow_q, _clip_once
+
+    tau = 10.0
+    before, after = _clip_once(tiny_gpt("alibi"), _blow_q([0, 2], 400.0), tau, {})
+    assert (before[:, [0, 2]] > tau).all() and (before[:, [1, 3]] < tau).all()
+    assert (after[:, [0, 2]] <= tau * (1 + 1e-4)).all() and (after[:, [0, 2]] > 0.9 * tau).all()
+    assert (after[:, [0, 2]] < 0.99 * tau).any()  # not exact: where the largest logit carries a bias, below tau
+    torch.testing.assert_close(after[:, [1, 3]], before[:, [1, 3]], rtol=1e-5, atol=1e-5)
