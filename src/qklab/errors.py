@@ -18,8 +18,9 @@ Under a launcher (torchrun) every process exits 2 on such an error, and rank 0 p
 prints its own, marked ``(rank N)``, unless the error is known to be rank 0's too (``alike``): compared at an
 agreement (``parallel.context.DistContext.agree``), or one that the command line alone decides, which every
 process one launcher started hits alike. A collective that fails on one process because another is gone
-(``parallel.context.peer_lost``: it stopped on its own error, which it printed) is a stop, exit 1, said by
-rank 0, and no bug.
+(``parallel.context.peer_lost``: it stopped on its own error, which it printed, or was killed) is a stop,
+exit 1, said once by the first survivor to get there (``parallel.context.first_to_say``; rank 0 may be the
+one lost), and no bug.
 """
 
 from __future__ import annotations

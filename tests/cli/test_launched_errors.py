@@ -123,17 +123,49 @@ GLOO_PEER_GONE = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:553]
                               "[127.0.0.1]:41145. This is typically caused by a remote worker crashing.")
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_a_collective_whose_partner_is_gone_is_a_stop_not_an_internal_error(monkeypatch, rank):
-    """Another rank stopped first (and said why): rank 0 says once that another process stopped, and how to
-    go on; no traceback, no "internal error" (tests/parallel/test_launch.py has the real two-process run)."""
-    _launched(monkeypatch, rank)
+STOPPED = ("another process of this run stopped or was lost during a collective step (its own line, or the "
+           "launcher's log of that rank, says why); run the same command again")
+
+
+@pytest.mark.parametrize("first", [0, 2])
+def test_a_collective_whose_partner_is_gone_is_a_stop_said_once(monkeypatch, first):
+    """Another rank stopped first (and said why, or was killed): the first survivor to get here says once
+    that another process stopped, and how to go on, marked with its rank unless it is rank 0; the others
+    are quiet. No traceback, no "internal error" (tests/parallel/test_launch.py has real torchrun runs)."""
+    from datetime import timedelta
+
+    import torch.distributed as tdist
+
+    from tests.parallel.common import free_port
+
+    port = free_port()
+    store = tdist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10),  # torchrun's agent
+                           wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
     _raising(monkeypatch, GLOO_PEER_GONE)
-    code, err = _cli(["train"])
-    assert code == 1
-    assert err == (["qklab: stopped: another process of this run stopped or was lost during a collective step "
-                     "(its own line, or the launcher's log of that rank, says why); run the same command again"]
-                   if rank == 0 else []), err
+    said = {}
+    for rank in (first, 1, 2 - first, 3):
+        _launched(monkeypatch, rank)
+        said[rank] = _cli(["train"])
+    marked = "" if first == 0 else f" (rank {first})"
+    assert said.pop(first) == (1, [f"qklab: stopped{marked}: {STOPPED}"])
+    assert all(v == (1, []) for v in said.values()), said
+    del store
+
+
+def test_a_partner_gone_without_a_store_to_ask_is_said_by_each(monkeypatch):
+    """No launcher's store to ask (it lived in the lost process): every survivor says it, rather than none."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")  # nothing listens there
+    import qklab.parallel.context as context
+
+    monkeypatch.setattr(context, "SAY_TIMEOUT_S", 0.2)
+    _raising(monkeypatch, GLOO_PEER_GONE)
+    for rank in (0, 1):
+        _launched(monkeypatch, rank)
+        marked = "" if rank == 0 else f" (rank {rank})"
+        assert _cli(["train"]) == (1, [f"qklab: stopped{marked}: {STOPPED}"])
 
 
 def test_the_same_error_in_one_process_is_still_a_bug(monkeypatch):

@@ -181,6 +181,54 @@ def test_torchrun_rank_lost_mid_run_is_no_internal_error(tmp_path):
                           "written yet, so there is nothing to resume: run the command again without --resume"]), stops
 
 
+# qklab train where one rank (RANK_TO_KILL) is killed outright (SIGKILL: no line, no cleanup) during step 5
+KILLED = """
+import os, signal, sys
+import qklab.train.trainer as tr
+_step = tr.Trainer.train_step
+def train_step(self):
+    if self.dist.rank == int(os.environ["RANK_TO_KILL"]) and self.step == 4:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _step(self)
+tr.Trainer.train_step = train_step
+from qklab.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _killed(tmp: Path, rank: int, nproc: int) -> tuple[subprocess.CompletedProcess, list[str]]:
+    script = tmp / "killed.py"
+    script.write_text(KILLED)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port",
+           str(free_port()), str(script), *_args(tmp, "train.parallel=ddp", "train.steps=8", "train.ckpt_every=2")[2:]]
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**ENV, "RANK_TO_KILL": str(rank)}, timeout=300)
+    assert p.returncode != 0
+    out = p.stdout + p.stderr
+    assert "internal error" not in out and "Connection closed by peer" not in out, out[-3000:]
+    return p, [ln for ln in out.splitlines() if ln.startswith("qklab:")]
+
+
+LOST = ("another process of this run stopped or was lost during a collective step (its own line, or the "
+        "launcher's log of that rank, says why); the last checkpoint is intact (continue with --resume)")
+
+
+def test_torchrun_rank_0_killed_is_said_by_the_survivor(tmp_path):
+    """Rank 0 killed mid-run (the OOM killer, a lost node) leaves no line of its own; rank 1, whose all-reduce
+    lost its partner, says once that the run stopped and how to go on (the step-4 checkpoint is there), though
+    torchrun stops it at once (SIGTERM) on seeing rank 0 gone."""
+    p, lines = _killed(tmp_path, rank=0, nproc=2)
+    assert lines == [f"qklab: stopped (rank 1): {LOST}"], p.stderr[-3000:]
+    assert (tmp_path / "runs" / "cli" / "ckpt" / "step_0000004" / "manifest.json").is_file()
+
+
+def test_torchrun_rank_killed_among_three_is_said_once(tmp_path):
+    """Rank 2 of three killed: ranks 0 and 1 both lose a partner, and the line is said once, by whichever
+    reaches it first (asked of torchrun's store, which outlives every rank)."""
+    p, lines = _killed(tmp_path, rank=2, nproc=3)
+    assert lines in ([f"qklab: stopped: {LOST}"], [f"qklab: stopped (rank 1): {LOST}"]), p.stderr[-3000:]
+
+
 def test_launcher_without_parallel_is_one_line(tmp_path):
     env = {**ENV, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
     p = subprocess.run([sys.executable, *_args(tmp_path)], capture_output=True, text=True, env=env, timeout=120)

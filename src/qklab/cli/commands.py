@@ -18,6 +18,7 @@ import errno
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -388,6 +389,26 @@ def _stop_line(line: str) -> None:
         print(line, file=sys.stderr)
 
 
+def _peer_lost_line(args: argparse.Namespace) -> None:
+    """The line of a process whose partner in a collective is gone: said once, by the first process of the
+    run to get here (``first_to_say``; rank 0 itself may be the lost one), marked with its rank unless it is
+    rank 0. The launcher stops the survivors (SIGTERM) once it sees a process gone, which may be now: the
+    line is said before that stop is let through."""
+    from qklab.parallel.context import first_to_say
+
+    main_thread = threading.current_thread() is threading.main_thread()  # handlers can only be set there
+    old = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main_thread else None
+    try:
+        if first_to_say("peer_lost"):
+            rank = os.environ.get("RANK", "0")
+            who = "" if rank == "0" else f" (rank {rank})"
+            print(f"qklab: stopped{who}: another process of this run stopped or was lost during a collective step "
+                  f"(its own line, or the launcher's log of that rank, says why); {_go_on(args)}", file=sys.stderr)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old)
+
+
 def _out_of_memory(e: BaseException) -> bool:
     return isinstance(e, MemoryError) or "out of memory" in str(e).lower() or "can't allocate memory" in str(e)
 
@@ -426,8 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         from qklab.parallel.context import peer_lost
 
         if peer_lost(e):  # under torchrun: another rank stopped first, and printed why (or its log says)
-            _stop_line(f"qklab: stopped: another process of this run stopped or was lost during a collective step "
-                       f"(its own line, or the launcher's log of that rank, says why); {_go_on(args)}")
+            _peer_lost_line(args)
             return 1
         if _out_of_memory(e):
             _error("out of memory; lower model sizes, train.batch_size or train.seq_len", e)

@@ -45,6 +45,27 @@ def peer_lost(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(s in str(e) for s in PEER_LOST)  # torch's Dist*Error among them
 
 
+SAY_TIMEOUT_S = 2.0  # how long first_to_say tries to reach the launcher's store
+
+
+def first_to_say(what: str) -> bool:
+    """True on the first process of a launched run to ask about ``what`` (e.g. a lost partner), False on the
+    others: the one line a stop deserves, said once by whichever process survives to say it (rank 0 may be
+    the one lost). Asked of the launcher's store (``MASTER_ADDR``:``MASTER_PORT``; torchrun's agent holds it,
+    and it outlives every rank), keyed by the run and its restart. Where that store cannot be reached (a
+    launcher whose store lived in the lost process) every process says it: rather twice than never."""
+    if not launched():
+        return True
+    key = "qklab/said/{}/{}/{}".format(os.environ.get("TORCHELASTIC_RUN_ID", "-"),
+                                       os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), what)
+    try:
+        store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                               timeout=timedelta(seconds=SAY_TIMEOUT_S), wait_for_workers=False)
+        return store.add(key, 1) == 1
+    except (RuntimeError, KeyError, ValueError):  # no store to ask (torch's DistError is a RuntimeError)
+        return True
+
+
 @dataclass
 class DistContext:
     rank: int = 0
