@@ -246,6 +246,37 @@ def test_deepseek_layer_equals_qklab_mla(version, q_lora, interleave, method, op
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_deepseek_alibi_slopes_survive_yarn_scaling():
+    """DeepSeek under YaRN multiplies its softmax scale by mscale^2 (here 1.28); ALiBi's bias rides in q and k
+    through that scale, so the method divides its features by it: with the query projections zeroed, a layer's
+    attention is softmax(-m_h (i - j)) exactly, with YaRN as without (the same ALiBi slopes)."""
+    from qklab.methods.alibi import alibi_slopes
+
+    for rope in ({"rope_type": "default", "rope_theta": 10000.0},
+                 {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                  "mscale": 1.0, "mscale_all_dim": 1.0}):
+        cfg = transformers.DeepseekV3Config(
+            vocab_size=101, hidden_size=C, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=H, num_key_value_heads=H, q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=128, n_routed_experts=4,
+            num_experts_per_tok=2, first_k_dense_replace=1, rope_parameters=rope)
+        cfg._attn_implementation = "eager"
+        torch.manual_seed(0)
+        model = apply(transformers.AutoModelForCausalLM.from_config(cfg).eval(), "alibi")
+        mod = model.model.layers[0].self_attn
+        gain = mod.scaling * 24 ** 0.5
+        assert (gain > 1.2) == (rope["rope_type"] == "yarn")
+        with torch.no_grad():
+            mod.q_proj.weight.zero_()
+            B, T = 1, 12
+            x = torch.randn(B, T, C)
+            pe = model.model.rotary_emb(x, torch.arange(T).unsqueeze(0))
+            _, w = mod(x, position_embeddings=pe, attention_mask=_causal(B, T), output_attentions=True)
+        gap = torch.arange(T - 1, -1, -1, dtype=torch.float64)
+        ref = torch.softmax(-torch.tensor(alibi_slopes(H), dtype=torch.float64)[:, None] * gap, -1)  # (H, T)
+        torch.testing.assert_close(w[0, :, -1].double(), ref, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("method, opts", [("none", {}), ("qknorm", {}), ("softcap", {"cap": 2.0}),
                                           ("alibi", {"slope_scale": 4.0})])
 def test_deepseek_generate_and_padding(method, opts):
@@ -302,6 +333,21 @@ def test_softcap_is_never_dropped_by_another_attention_implementation(build):
                 del m.qk_method.modifies_logits
         model.set_attn_implementation("eager")
         torch.testing.assert_close(model(x).logits, capped, atol=0, rtol=0)
+
+
+def test_flash_kernels_are_refused_where_q_k_and_v_differ_in_width():
+    """alibi makes q and k 8 features wider than v, which flash kernels (one width for all three) do not take:
+    switched to one, the model refuses in one line (before the kernel is even imported); SDPA computes it."""
+    model = apply(tiny_model("llama"), "alibi")
+    x = torch.randint(3, 101, (2, 9))
+    with torch.no_grad():
+        ref = model(x).logits  # "qklab"
+        model.config._attn_implementation = "flash_attention_2"
+        with pytest.raises(ConfigError, match="makes q and k 24 features wide and v is 16, but the "
+                                              "'flash_attention_2' kernel takes one width"):
+            model(x)
+        model.set_attn_implementation("sdpa")
+        torch.testing.assert_close(model(x).logits, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("build, method, opts, says", [

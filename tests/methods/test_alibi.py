@@ -22,11 +22,12 @@ transformers = pytest.importorskip("transformers")
 from transformers.models.bloom.modeling_bloom import build_alibi_tensor  # noqa: E402
 
 B, H, HK, T, D = 2, 6, 2, 9, 16
+ROPE = Rope(1 << 16, 10000.0)  # tables to position 65536
 
 
 def _logits(m, q, k, pos=0):
     """The method's pre-softmax logits (B, H, T, T) through its map and scale, GQA keys repeated."""
-    qm, km = m.map_qk(q, k, Rope(4096, 10000.0), pos)
+    qm, km = m.map_qk(q, k, ROPE, pos)
     km = km.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     return (qm @ km.transpose(-2, -1)) * m.scale(qm.shape[-1])
 
@@ -136,24 +137,85 @@ def test_bad_option_is_one_line():
     assert "\n" not in str(e.value)
 
 
-def test_bf16_keeps_the_bias_exact_far_from_position_zero():
-    """At positions near 3000, bf16 rounds a position to a multiple of 16: a bias built on -m_h i and j
-    themselves would be off by several nats. The base-256 key digits keep it exact: bf16 attention
-    probabilities equal the fp64 formula's to bf16's precision of q . k alone."""
+def _formula(q, k, pos, slopes):
+    """fp64 RoPE logits minus m_h (i - j), (B, H, T, T), GQA keys repeated."""
+    rq, rk = complex_rope(q, pos, 10000.0), complex_rope(k, pos, 10000.0).repeat_interleave(H // HK, 1)
+    i = torch.arange(pos, pos + T, dtype=torch.float64)
+    return rq @ rk.transpose(-2, -1) / math.sqrt(D) - slopes.view(1, H, 1, 1) * (i[:, None] - i[None, :])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pos", [3001, 30011, 65500])
+def test_half_precision_logits_are_exact_far_from_position_zero(dtype, pos):
+    """Far from position 0 a bias built on -m_h i and j themselves is off by several nats in bf16, and in
+    fp16 -c_h i overflows (NaN). The features keep each logit, the per-row level included (which a sink's share
+    and the max-logit reading see), equal to the fp64 formula's to the precision of q . k alone in that dtype:
+    the slopes rounded once to the dtype, the key digits exact, -c_h i / 256 held in three parts."""
     torch.manual_seed(5)
     m = ALiBi(AttnShape(96, H, HK, D, 0, 2), ALiBiOptions())
     q, k = torch.randn(1, H, T, D, dtype=torch.float64), torch.randn(1, HK, T, D, dtype=torch.float64)
-    pos = 3001
+    qm, km = m.map_qk(q.to(dtype), k.to(dtype), ROPE, pos)
+    assert torch.isfinite(qm).all() and torch.isfinite(km).all()
+    assert qm.abs().max() < 256 * math.sqrt(D) and km.abs().max() <= 256  # no feature grows with the position
+    got = _logits(m, q.to(dtype), k.to(dtype), pos).double()
+    c = (torch.tensor(alibi_slopes(H), dtype=torch.float64) * math.sqrt(D)).to(dtype).double() / math.sqrt(D)
+    ref = _formula(q, k, pos, c)  # the slopes as the dtype holds them
+    plain = _formula(q, k, pos, torch.zeros(H, dtype=torch.float64))
+    qk_err = (_logits(ALiBi(AttnShape(96, H, HK, D, 0, 2), ALiBiOptions(slope_scale=0.0)), q.to(dtype), k.to(dtype),
+                      pos).double() - plain).abs().max().item()  # q . k alone in this dtype
     mask = causal_mask(T, T, q.device)
-    got = _logits(m, q.bfloat16(), k.bfloat16(), pos).float().masked_fill(~mask, float("-inf")).softmax(-1)
-    rq, rk = complex_rope(q, pos, 10000.0), complex_rope(k, pos, 10000.0).repeat_interleave(H // HK, 1)
+    err = (got - ref).masked_fill(~mask, 0).abs().max().item()
+    assert err < 2 * qk_err + 1e-3, (err, qk_err)
+    # q = k = 0: the logit of query i on key j is exactly -m_h (i - j), 0 on the diagonal
+    z = _logits(m, torch.zeros(1, H, T, D, dtype=dtype), torch.zeros(1, HK, T, D, dtype=dtype), pos).double()
     i = torch.arange(T, dtype=torch.float64)
-    slopes = torch.tensor(alibi_slopes(H), dtype=torch.float64).view(1, H, 1, 1)
-    ref = (rq @ rk.transpose(-2, -1) / math.sqrt(D) - slopes * (i[:, None] - i[None, :]))
-    ref = ref.masked_fill(~mask, float("-inf")).softmax(-1)
-    plain = (rq @ rk.transpose(-2, -1) / math.sqrt(D)).masked_fill(~mask, float("-inf")).softmax(-1)
-    tol = (plain - ref).abs().max().item() / 20  # well inside the bias's own effect
-    assert (got.double() - ref).abs().max() < min(tol, 0.05)
+    torch.testing.assert_close(z.masked_fill(~mask, 0), (-c.view(1, H, 1, 1) * (i[:, None] - i[None, :]))
+                               .masked_fill(~mask, 0).to(dtype).double(), rtol=0, atol=0)
+    # the slopes as rounded: each within half a unit in the last place of the dtype
+    eps = torch.finfo(dtype).eps
+    slopes = torch.tensor(alibi_slopes(H), dtype=torch.float64)
+    assert ((c - slopes).abs() / slopes).max() <= eps / 2
+
+
+def test_yarn_correction_leaves_the_slopes_alone():
+    """MLA under YaRN multiplies the softmax scale by DeepSeek's correction mscale^2 (1.87 here); the bias
+    features go through that scale too, so the method divides them by it: with the query projections zeroed
+    the last query's attention is softmax(-m_h (i - j)) with YaRN as without."""
+    for yarn in (False, True):
+        kw = dict(rope_scaling="yarn", yarn_factor=40.0, yarn_mscale=1.0, yarn_mscale_all_dim=1.0) if yarn else {}
+        cfg = ModelConfig(vocab_size=97, d_model=64, n_layers=1, n_heads=4, max_seq_len=64, attn_impl="eager",
+                          attention="mla", kv_rank=24, nope_dim=16, rope_dim=8, v_dim=12, **kw)
+        torch.manual_seed(0)
+        model = GPT(cfg, QKConfig(method="alibi", options={"alibi": ALiBiOptions()})).eval()
+        a = model.blocks[0].attn
+        if yarn:
+            assert a.softmax_mscale > 1.8
+        for name, p in a.named_parameters():
+            if name.startswith(("wdq", "wuq", "wqr")) and p.dim() == 2:
+                p.data.zero_()
+        a.capture = {}
+        with torch.no_grad():
+            model(torch.randint(0, 97, (1, 16)))
+        p = a.capture["probs"][0, :, -1].double()  # (H, T)
+        gap = torch.arange(15, -1, -1, dtype=torch.float64)
+        ref = torch.softmax(-torch.tensor(alibi_slopes(4), dtype=torch.float64)[:, None] * gap, -1)
+        torch.testing.assert_close(p, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_non_causal_use_is_refused():
+    """ALiBi's bias -m_h (i - j) is for keys at or before the query: a later key would get a reward."""
+    from qklab import QK
+
+    with pytest.raises(ConfigError, match="alibi is defined for causal attention only"):
+        QK("alibi", n_heads=4, head_dim=16, causal=False)
+    qk = QK("alibi", n_heads=4, head_dim=16)
+    q = torch.randn(1, 4, 6, 16)
+    qm, km = qk(q, q)
+    v = torch.randn(1, 4, 6, 16)
+    causal = causal_mask(6, 6, q.device)
+    torch.testing.assert_close(qk.attend(qm, km, v, mask=causal.view(1, 1, 6, 6)), qk.attend(qm, km, v))
+    with pytest.raises(ConfigError, match="lets a query see a later key"):
+        qk.attend(qm, km, v, mask=torch.ones(1, 1, 6, 6, dtype=torch.bool))
 
 
 def test_qkclip_keeps_clipped_heads_at_or_below_tau():

@@ -12,8 +12,8 @@ model switches to the ``"qklab"`` attention function and mask. What each method 
 * ``quest``: keys normalised to the sphere, logits unscaled (the family's q/k norms are dropped).
 * ``ssmax``: q times s_h log(position id + 1) (left padding and the cache offset counted from the
   position ids); the family's q/k norms stay in front of it.
-* ``alibi``: the bias -m_h (i - j) rides in three extra q/k features (positions from the position ids); the
-  family's q/k norms stay, and the cache holds keys three features wider than the values.
+* ``alibi``: the bias -m_h (i - j) rides in eight extra q/k features (positions from the position ids); the
+  family's q/k norms stay, and the cache holds keys eight features wider than the values (no flash kernel).
 * ``qknorm`` variants (``q_gain``, ``stats``, ``gains``, ``p``): as in qklab's attention; per-head gains
   start from a Qwen3 model's shared ones, tiled.
 * ``none``: returns the model untouched (unless it adds a gate or a sink, below; the family's q/k norms stay).
@@ -280,7 +280,9 @@ def _apply_deepseek(model: nn.Module, method: str, opts: object) -> None:
     for mod in mods:
         F = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         H = cfg.num_attention_heads
-        qm = build_method(method, AttnShape(cfg.hidden_size, H, H, F, mod.layer_idx, len(mods)), opts)
+        # DeepSeek's scaling over the plain 1 / sqrt(F): YaRN's correction, which the layer's scale carries
+        gain = mod.scaling * F ** 0.5
+        qm = build_method(method, AttnShape(cfg.hidden_size, H, H, F, mod.layer_idx, len(mods), logit_gain=gain), opts)
         if qm.proj_dim() != F or qm.qk_in_dim() != cfg.hidden_size:
             raise ConfigError(f"{method} changes the q/k projection widths, which MLA (DeepSeek) does not allow")
         qm.reset_parameters()

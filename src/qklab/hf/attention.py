@@ -222,6 +222,12 @@ def attention_function(module: nn.Module):
 
     impl = module.config._attn_implementation
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(impl, qklab_attention)
+    qw = module.qk_method.feature_dim()
+    vw = getattr(module, "v_head_dim", getattr(module, "head_dim", qw))
+    if "flash" in impl and qw != vw:  # flash kernels take q, k and v of one width; this forward pads none
+        raise ConfigError(f"layer {module.layer_idx}: method {module.qk_method.name} makes q and k {qw} features wide "
+                          f"and v is {vw}, but the '{impl}' kernel takes one width for all three; use "
+                          "model.set_attn_implementation('sdpa') or ('qklab')")
     if attend is not qklab_attention:
         needs = [what for what, has in (
             (f"method {module.qk_method.name}, which rewrites the logits", module.qk_method.modifies_logits),

@@ -69,6 +69,7 @@ class AttnShape:
     layer_idx: int
     n_layers: int
     rope_dim: int = 0  # MLA: the trailing per-head q/k features that RoPE rotates (the rest: nope); 0: MHA
+    logit_gain: float = 1.0  # what the layer multiplies the method's scale by (DeepSeek's YaRN correction)
 
     @classmethod
     def of(cls, m: Any, layer_idx: int = 0) -> AttnShape:
@@ -95,6 +96,7 @@ class QKMethod(nn.Module):
     latent_key_group = 1  # heads sharing one cached key scalar (s is equal within each group of heads)
     latent_key_parts = False  # True: s has two values per key, one on the nope and one on the rope part
     keeps_model_qk_norm = False  # qklab.hf: True keeps a model's own q/k norms (Qwen3) in front of the method
+    causal_only = False  # True: defined for causal attention alone (a query sees no later key)
     watches_logits = False  # True: the training loop tracks the layer's per-head max logit and calls step_end
 
     def __init__(self, shape: AttnShape, opts: Any) -> None:

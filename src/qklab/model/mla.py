@@ -40,7 +40,7 @@ and the softmax scale gets DeepSeek's correction ``Yarn.softmax_mscale()``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -129,7 +129,10 @@ class MLAttention(nn.Module, MaxLogitTracker):
         self.n_kv_heads = self.n_heads  # materialised keys are per head
         self.head_dim = d.nope + d.rope  # per-head q/k width (AttnShape.head_dim); values have v_dim
         # widths the method would change are refused by config.check_model, before any layer is built
-        self.qk: QKMethod = METHODS[qk_cfg.method](AttnShape.of(cfg, layer_idx), qk_cfg.opts(qk_cfg.method))
+        yarn = Yarn.from_config(cfg)
+        self.softmax_mscale = yarn.softmax_mscale() if yarn else 1.0  # YaRN (DeepSeek)
+        shape = replace(AttnShape.of(cfg, layer_idx), logit_gain=self.softmax_mscale)  # the scale's correction
+        self.qk: QKMethod = METHODS[qk_cfg.method](shape, qk_cfg.opts(qk_cfg.method))
         H, C, n, r, R = cfg.n_heads, cfg.d_model, d.nope, d.rope, d.kv_rank
         q_in = d.q_rank or C
         self.wdq = nn.Linear(C, d.q_rank, bias=False) if d.q_rank else None
@@ -145,8 +148,6 @@ class MLAttention(nn.Module, MaxLogitTracker):
         self.wg = make_gate(cfg, H, d.v)  # model.attn_gate, on each head's output (outside the latent cache)
         self.sink = make_sink(cfg, H)  # model.attn_sink: a per-head logit in every softmax denominator
         self.impl = cfg.attn_impl
-        yarn = Yarn.from_config(cfg)
-        self.softmax_mscale = yarn.softmax_mscale() if yarn else 1.0  # YaRN (DeepSeek)
         self.latent_path = "auto"  # auto | absorbed | materialised, for LatentCache decoding
         self.capture: dict[str, torch.Tensor] | None = None
         self.init_tracker(self.n_heads)  # QK-clip's per-head max logit (materialised path)

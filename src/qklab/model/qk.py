@@ -29,7 +29,7 @@ from torch import nn
 from qklab.errors import ConfigError
 from qklab.methods import METHODS, AttnShape, QKMethod
 from qklab.methods.build import method_options
-from qklab.model.attention import attend, head_max_logit
+from qklab.model.attention import attend, causal_mask, head_max_logit
 from qklab.model.rope import Rope
 from qklab.model.user_rope import NoRope, UserRope, to_half
 
@@ -96,6 +96,9 @@ class QK(nn.Module):
                               "n_kv_heads dividing n_heads")
         shape = AttnShape(d_model or n_heads * head_dim, n_heads, n_kv, head_dim, layer_idx, n_layers)
         self.method: QKMethod = build_method(method, shape, method_options(method, options))
+        if self.method.causal_only and not causal:
+            raise ConfigError(f"{method} is defined for causal attention only (a query sees no later key); "
+                              "use causal=True")
         self.causal = causal
         self.own_rope = rope if isinstance(rope, Rope) else None  # qklab's Rope: called with a position offset
         self.rope = UserRope(rope, convention, layout) if rope is not None and self.own_rope is None else None
@@ -203,6 +206,11 @@ class QK(nn.Module):
         """Attention of what ``forward`` returned, v (B, Hkv, Tk, Dv) -> (B, H, Tq, Dv): fused SDPA, or explicit
         logits for a method that rewrites them or a ``mask`` (B|1, 1|H, Tq, Tk) bool, True where a query sees a
         key (in place of the causal one); ``sink`` (H,) per-head sink logits."""
+        if mask is not None and self.method.causal_only:
+            Tq, Tk = mask.shape[-2:]
+            if (mask & ~causal_mask(Tq, Tk, mask.device)).any():
+                raise ConfigError(f"{self.method.name} is defined for causal attention only, but the mask lets a "
+                                  "query see a later key")
         return attend(self.method, q, k, v, eager=self.eager, sink=sink, causal=self.causal, mask=mask)
 
     @torch.no_grad()
