@@ -154,6 +154,26 @@ def test_a_collective_whose_partner_is_gone_is_a_stop_said_once(monkeypatch, fir
     del store
 
 
+def test_a_sigterm_while_the_line_is_said_is_held_then_let_through(monkeypatch):
+    """torchrun stops the survivors (SIGTERM) once it sees a process gone, maybe while one is deciding and
+    saying its line: the line is still said whole, and the SIGTERM is delivered after it, not dropped."""
+    import qklab.parallel.context as context
+
+    got: list[str] = []
+    signal.signal(signal.SIGTERM, lambda *_: got.append("SIGTERM"))  # the process's own (the fixture restores)
+
+    def first_to_say(what):
+        os.kill(os.getpid(), signal.SIGTERM)  # torchrun's stop, now
+        got.append("asked")
+        return True
+
+    monkeypatch.setattr(context, "first_to_say", first_to_say)
+    _raising(monkeypatch, GLOO_PEER_GONE)
+    _launched(monkeypatch, 1)
+    assert _cli(["train"]) == (1, [f"qklab: stopped (rank 1): {STOPPED}"])
+    assert got == ["asked", "SIGTERM"]
+
+
 def test_a_partner_gone_without_a_store_to_ask_is_said_by_each(monkeypatch):
     """No launcher's store to ask (it lived in the lost process): every survivor says it, rather than none."""
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

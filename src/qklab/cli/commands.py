@@ -392,12 +392,13 @@ def _stop_line(line: str) -> None:
 def _peer_lost_line(args: argparse.Namespace) -> None:
     """The line of a process whose partner in a collective is gone: said once, by the first process of the
     run to get here (``first_to_say``; rank 0 itself may be the lost one), marked with its rank unless it is
-    rank 0. The launcher stops the survivors (SIGTERM) once it sees a process gone, which may be now: the
-    line is said before that stop is let through."""
+    rank 0. The launcher stops the survivors (SIGTERM) once it sees a process gone, which may be now: a SIGTERM
+    that comes while the line is decided and said is held, then let through (the process ends by it)."""
     from qklab.parallel.context import first_to_say
 
+    held: list[int] = []
     main_thread = threading.current_thread() is threading.main_thread()  # handlers can only be set there
-    old = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main_thread else None
+    old = signal.signal(signal.SIGTERM, lambda signum, _frame: held.append(signum)) if main_thread else None
     try:
         if first_to_say("peer_lost"):
             rank = os.environ.get("RANK", "0")
@@ -406,7 +407,10 @@ def _peer_lost_line(args: argparse.Namespace) -> None:
                   f"(its own line, or the launcher's log of that rank, says why); {_go_on(args)}", file=sys.stderr)
     finally:
         if main_thread:
-            signal.signal(signal.SIGTERM, old)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if old is None else old)  # None: a handler set outside Python
+            if held:
+                sys.stderr.flush()
+                os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _out_of_memory(e: BaseException) -> bool:

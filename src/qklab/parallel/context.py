@@ -51,9 +51,10 @@ SAY_TIMEOUT_S = 2.0  # how long first_to_say tries to reach the launcher's store
 def first_to_say(what: str) -> bool:
     """True on the first process of a launched run to ask about ``what`` (e.g. a lost partner), False on the
     others: the one line a stop deserves, said once by whichever process survives to say it (rank 0 may be
-    the one lost). Asked of the launcher's store (``MASTER_ADDR``:``MASTER_PORT``; torchrun's agent holds it,
-    and it outlives every rank), keyed by the run and its restart. Where that store cannot be reached (a
-    launcher whose store lived in the lost process) every process says it: rather twice than never."""
+    the one lost). Asked of the launcher's store (``MASTER_ADDR``:``MASTER_PORT``: under torchrun its agent's,
+    which outlives every rank), keyed by the run and its restart count, as torch keys its own use of that
+    store. Where the store cannot be reached every process says it, rather twice than never: under a launcher
+    whose store lives in rank 0's process, the survivors that ask after rank 0 has gone."""
     if not launched():
         return True
     key = "qklab/said/{}/{}/{}".format(os.environ.get("TORCHELASTIC_RUN_ID", "-"),
