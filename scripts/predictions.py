@@ -28,7 +28,7 @@ from qklab.study.result import write_json_atomic
 
 def _write(a) -> int:
     results, studies = load_results([a.results])
-    pred = make_predictions(analyze(results, studies)["groups"], a.regime, f"{a.results} ({len(results)} cells)")
+    pred = make_predictions(analyze(results, studies).groups, a.regime, f"{a.results} ({len(results)} cells)")
     sha = write_predictions(pred, Path(a.out))
     if a.record:
         path = Path(a.record)

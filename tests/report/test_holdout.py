@@ -76,12 +76,15 @@ def test_held_out_by_hand():
 
 
 def test_seeds_not_measured_everywhere_and_too_few_widths():
-    """Only seeds measured at every width count; one such seed gives no interval; three widths, no row."""
+    """Only seeds measured at every width count; one such seed gives no interval, two too few to judge by;
+    three widths, no row."""
     partial = _ladder("partial", {0: 0.42}, {0: 10 ** 2.5, 1: 10 ** 2.52})  # seeds 1, 2 not yet at the widest
     rows = {h.quantity: h for h in held_out([partial])}
     assert rows["LR sensitivity"].n == 1 and rows["LR sensitivity"].outcome == "no interval"
     assert rows["LR sensitivity"].error == pytest.approx(0.02) and math.isnan(rows["LR sensitivity"].lo)
-    assert rows["max logit at x4 the tuned rate"].n == 2  # seeds 0 and 1
+    assert rows["max logit at x4 the tuned rate"].n == 2  # seeds 0 and 1: an interval, but too wide to judge by
+    assert math.isfinite(rows["max logit at x4 the tuned rate"].lo)
+    assert rows["max logit at x4 the tuned rate"].outcome == "too few seeds"
     assert held_out_table([rows["LR sensitivity"]])[1][0][8] == "+0.020 -"
     short = MethodScale("planted", "short", WIDTHS[:3], SIZES[:3], partial.sensitivity[:3], partial.tuned[:3],
                         {}, None)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
+
 from qklab.report.predictions import _order, check, method_key
 
 TARGET = "38M"
@@ -40,3 +44,40 @@ def test_hits_misses_and_untested():
     other = {c.id.split(" @ ")[0]: c for c in check(pred, [_result("none", "none", 5.0, 6.0),
                                                            _result("qknorm", "none", 7.0, 5.9)], TARGET, False)}
     assert other["max_logit none"].outcome == "not tested" and other["max_logit_order"].outcome == "miss"
+    assert other["max_logit_order"].why.endswith("another regime: an observation beside the prediction, not its test")
+    assert "another regime" not in got["max_logit_order"].why
+
+
+def test_write_reproduces_the_registered_values_with_t_intervals(tmp_path):
+    """``scripts/predictions.py write`` from the ladder the registered file was written from
+    (docs/results/ladder_english) gives its values again (to rounding), now with the t-interval over the
+    seeds' own fits (wider than the registered bootstrap's, which missed the spread of the slopes), and
+    records the new file's hash in the study.json it is given."""
+    import hashlib
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    reg = json.loads((root / "docs/results/predictions/scale_1.json").read_text())
+    record = tmp_path / "study.json"
+    shutil.copy(root / "docs/results/scale_english/study.json", record)
+    out = tmp_path / "p.json"
+    p = subprocess.run([sys.executable, str(root / "scripts/predictions.py"), "write",
+                        str(root / "docs/results/ladder_english"), str(out), "--regime", reg["regime"],
+                        "--record", str(record)], capture_output=True, text=True, timeout=300, cwd=root)
+    assert p.returncode == 0, p.stderr[-2000:]
+    new = json.loads(out.read_text())
+    sha = hashlib.sha256(out.read_bytes()).hexdigest()
+    assert json.loads(record.read_text())["predictions"][-1]["sha256"] == sha
+    for target, t in reg["targets"].items():
+        for m, v in t["max_logit"].items():
+            w = new["targets"][target]["max_logit"][m]
+            assert w["value"] == pytest.approx(v["value"], rel=1e-12)  # the fit itself is unchanged
+            assert w["lo"] < v["lo"] and w["hi"] > v["hi"]  # two seeds: t(0.975, 1) = 12.7, not ~2
+            # log10 scale: symmetric about the value (the t-interval of the seeds' fits at that size)
+            half = math.log10(w["hi"]) - math.log10(w["value"])
+            assert math.log10(w["value"]) - math.log10(w["lo"]) == pytest.approx(half)
+            assert half > 0

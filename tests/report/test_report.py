@@ -401,10 +401,16 @@ def test_header_counts_finished_cells_from_the_study_file(tmp_path):
     md = (write_report([res], out=tmp_path / "rep") / "report.md").read_text()
     assert ("- `g`: in progress: 2 of 3 cells finished (and 1 result of cells no longer in the study); "
             "base config `tiny`") in md
+    # the answers open with it: every verdict there is interim
+    opening = md.split("## What these results say\n\n")[1]
+    assert opening.startswith("**Interim**: `g` is in progress (2 of 3 cells finished (and 1 result of cells no "
+                              "longer in the study)). Every verdict and figure below is read from the cells finished "
+                              "so far")
     c = result("none", 4.0, 0, 8.0, 8.0, study="g")
     write_json_atomic(res / c["cell"] / "result.json", c)
     md = (write_report([res], out=tmp_path / "rep") / "report.md").read_text()
     assert "- `g`: complete: 3 of 3 cells finished (and 1 result" in md
+    assert "**Interim**" not in md
 
 
 def _one_rate_groups(tmp_path, name: str, variants: tuple[str, ...], cells) -> list[dict]:

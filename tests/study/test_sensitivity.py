@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from scipy import stats as scipy_stats
 
 from qklab.study.analyze import Group, RateOutcome
 from qklab.study.catalogue import CATALOGUE
@@ -34,10 +35,16 @@ def test_trend_by_hand():
     t = trend([10, 100, 1000], [{0: 1.0, 1: 1.0}, {0: 2.0, 1: 3.0}, {0: 3.0, 1: 5.0}])
     assert t.by_seed == pytest.approx({0: 1.0, 1: 2.0})
     assert t.slope == pytest.approx(1.5) and t.intercept == pytest.approx(-0.5)  # means 1, 2.5, 4
-    # a resample's slope is (y at 1000 - y at 10) / 2 with y at 1000 in {3, 4, 5}: it lies in [1, 2]
-    assert 1.0 - 1e-12 <= t.boot_lo < 1.5 < t.boot_hi <= 2.0 + 1e-12
-    mid, lo, hi = t.at(1e4)
-    assert mid == pytest.approx(5.5) and lo <= mid <= hi
+    # the t-interval over the two seeds' slopes: 1.5 -+ t(0.975, 1) * sd / sqrt(2), sd = sqrt(0.5)
+    t975 = scipy_stats.t.ppf(0.975, 1)  # 12.706
+    assert (t.lo, t.hi) == pytest.approx((1.5 - t975 * 0.5, 1.5 + t975 * 0.5))
+    # at 10^4 (x = 4): seed 0's fit 0 + 1 x = 4, seed 1's -1 + 2 x = 7; mean 5.5, sd 3 / sqrt(2)
+    assert t.at(1e4) == pytest.approx((5.5, 5.5 - t975 * 1.5, 5.5 + t975 * 1.5))
+    # the seeds every size has, alone: seed 2 at one size only changes nothing
+    t3 = trend([10, 100, 1000], [{0: 1.0, 1: 1.0, 2: 9.0}, {0: 2.0, 1: 3.0}, {0: 3.0, 1: 5.0}])
+    assert (t3.slope, t3.intercept, t3.lo, t3.hi) == pytest.approx((t.slope, t.intercept, t.lo, t.hi))
+    one = trend([10, 100, 1000], [{0: 1.0}, {0: 2.0}, {0: 3.0}])
+    assert one.slope == pytest.approx(1.0) and math.isnan(one.lo) and math.isnan(one.at(1e4)[1])
     tl = trend([10, 100, 1000], [{0: 10.0, 1: 10.0}, {0: 100.0, 1: 1000.0}, {0: 1e3, 1: 1e5}], log_y=True)
     assert tl.by_seed == pytest.approx({0: 1.0, 1: 2.0}) and tl.at(1e4)[0] == pytest.approx(10 ** 5.5)
 
@@ -142,7 +149,7 @@ def test_scale_tables_by_hand():
     head, body = scale_sensitivity_table(rows)
     none = dict(zip(head, body[0], strict=True))
     assert none["width 64"].startswith("0.300 [") and none["width 64"].endswith("(n=3)")  # 0.25, 0.30, 0.35
-    assert none["slope per decade of parameters (bootstrap 95%)"].startswith("+0.250 [")
+    assert none["slope per decade of parameters (95% t over seeds)"].startswith("+0.250 [")
     assert "QuacK" in dict(zip(head, body[2], strict=True))["note"]  # the rate it is measured over
     head, body = trends_table(rows)
     none = dict(zip(head, body[0], strict=True))

@@ -18,6 +18,7 @@ from qklab.study.sensitivity import fit_scale, slope
 from qklab.study.stats import describe
 
 Table = tuple[list[str], list[list[str]]]
+MIN_SEEDS = 3  # two seeds: t(0.975, 1) = 12.7 makes the interval so wide that "hit" would say almost nothing
 INTRO = ("Each trend of the table above fitted again without the widest width, extrapolated to it, and set "
          "against what the widest width measured: a check of the extrapolation the predictions for larger models "
          "rest on, one step of the ladder (here) instead of many (there). Per seed measured at every width: its own "
@@ -26,7 +27,8 @@ INTRO = ("Each trend of the table above fitted again without the widest width, e
          "those seeds, so it holds the widest width's own seed noise as well as the fit's. Hit: the interval "
          "covers no error (0, or a ratio of 1); miss: the trend bent at the widest width, or the seeds are too "
          "few to tell it from noise (95% intervals miss 1 time in 20 where the law holds); no interval: fewer "
-         "than two seeds at every width, or seeds that agree exactly (a tuned rate on a grid). Predicted and "
+         "than two seeds at every width, or seeds that agree exactly (a tuned rate on a grid); too few seeds: "
+         "two (with one degree of freedom the interval is too wide for a hit to say anything). Predicted and "
          "measured: over those seeds, geometric means for the log-log quantities. Exploratory: no claim rests "
          "on it.")
 
@@ -54,6 +56,8 @@ class HeldOut:
     def outcome(self) -> str:
         if not (math.isfinite(self.lo) and math.isfinite(self.hi)) or self.lo == self.hi:
             return "no interval"
+        if self.n < MIN_SEEDS:
+            return "too few seeds"
         return "hit" if self.lo <= 0.0 <= self.hi else "miss"
 
     def shown(self, x: float) -> str:

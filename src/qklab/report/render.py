@@ -40,6 +40,8 @@ from qklab.report.tables import (
 from qklab.study.analyze import Analysis, Group, analyze, load_results
 from qklab.study.result import DIVERGENCE_RULE, OUTCOME_RULE, write_json_atomic
 
+IN_PROGRESS = "in progress"
+
 
 def _progress(name: str, study: dict, results: list[dict]) -> str:
     """'12 of 55 cells finished' from the study's cell list (study.json), with results of cells that are
@@ -49,7 +51,7 @@ def _progress(name: str, study: dict, results: list[dict]) -> str:
         return ""
     have = {r["cell"] for r in results if r.get("study") == name}
     extra = len(have - ids)
-    state = "complete" if ids <= have else "in progress"
+    state = "complete" if ids <= have else IN_PROGRESS
     return (f" {state}: {len(ids & have)} of {len(ids)} cells finished"
             + (f" (and {extra} result{'s' * (extra > 1)} of cells no longer in the study)" if extra else "") + ";")
 
@@ -195,7 +197,9 @@ def build(dirs: list[str | Path], loaded: Loaded, out: Path, title: str, problem
     cells = Cells(out)
     report = Report(title=title, header=_header(analysis, [str(d) for d in dirs], results, problems), groups=groups,
                     studies=studies, tables=tables, grids=list(grids), probes=list(probes), scale=bool(scale_rows),
-                    figs=figs, empty=empty, claim_rows=claim_rows, links={}, cells=cells, beside=side)
+                    figs=figs, empty=empty, claim_rows=claim_rows, links={}, cells=cells, beside=side,
+                    in_progress={n: p.strip(" ;")[len(IN_PROGRESS) + 2:] for n, s in studies.items()
+                                 if (p := _progress(n, s, results)).strip().startswith(IN_PROGRESS)})
     report.links.update(results=results_links(groups, cells), claims=claims_links(report.numbered, cells))
     made_from = {"sources": [str(d) for d in dirs], "skipped": problems,
                  "cells": sorted(f"{r.get('study', '')}/{r['cell']}" for r in results),

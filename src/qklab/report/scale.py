@@ -1,7 +1,7 @@
 """Behaviour across scale, for every study whose variants ran at three or more widths: each method's
 learning-rate sensitivity by size (study.sensitivity: Wortsman et al. 2023's definition, report split), and
 the trends of LR sensitivity, the tuned rate and the max attention logit at fixed multiples of the tuned rate
-against non-embedding parameters, each fit with its bootstrap interval over seeds; one figure, sensitivity
+against non-embedding parameters, each fit per seed with the t-interval over seeds; one figure, sensitivity
 against size, one line per method. Descriptive: the scale claims (study.scale_measures) test them."""
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ INTRO = ("LR sensitivity (Wortsman et al. 2023, arXiv 2309.14322) of a method at
          "loss level (read it beside the results table) and depends on the grid's window. Size: non-embedding "
          "parameters. Trends: least-squares fits against log10 size, LR sensitivity log-linear (a difference of "
          "losses, near zero at times), the tuned rate and the max logit log-log (positive, spanning decades); "
-         "the interval is a percentile bootstrap, each size's seeds resampled independently.")
+         "each seed is fitted on its own and the interval is the t-interval over seeds (the seeds every size "
+         "has).")
 
 
 @dataclass(frozen=True)
@@ -100,14 +101,14 @@ def millions(n: float) -> str:
 def _fit(t: Trend | None, digits: int = 3) -> str:
     if t is None or not math.isfinite(t.slope):
         return "-"
-    return f"{t.slope:+.{digits}f} {fmt_ci(t.boot_lo, t.boot_hi, digits)}"
+    return f"{t.slope:+.{digits}f} {fmt_ci(t.lo, t.hi, digits)}"
 
 
 def scale_sensitivity_table(rows: list[MethodScale]) -> Table:
-    """LR sensitivity by width (mean [95% t-interval], n), its slope per decade of size with its bootstrap
+    """LR sensitivity by width (mean [95% t-interval], n), its slope per decade of size with its t-interval
     interval, and the limit of a method that changes what the rate means."""
     widths = sorted({w for r in rows for w in r.widths})
-    head = ["study", "variant", *(f"width {w}" for w in widths), "slope per decade of parameters (bootstrap 95%)",
+    head = ["study", "variant", *(f"width {w}" for w in widths), "slope per decade of parameters (95% t over seeds)",
             "note"]
     body = []
     for r in rows:
@@ -123,7 +124,7 @@ def scale_sensitivity_table(rows: list[MethodScale]) -> Table:
 
 
 def trends_table(rows: list[MethodScale]) -> Table:
-    """Each fit's slope against log10 non-embedding parameters, with its bootstrap interval."""
+    """Each fit's slope against log10 non-embedding parameters, with its t-interval over seeds."""
     head = ["study", "variant", "sizes (non-embedding parameters)", "LR sensitivity (nats per decade)",
             "tuned rate (log-log)", *(f"max logit at x{k:g} the tuned rate (log-log)" for k in LOGIT_AT)]
     body = []
@@ -143,7 +144,7 @@ def scale_data(rows: list[MethodScale]) -> dict[str, Any]:
         out.setdefault(r.study, {})[r.variant] = {
             "size": r.sizes, "mean": [d.mean for d in ds], "lo": [d.ci_lo for d in ds],
             "hi": [d.ci_hi for d in ds], "n": [d.n for d in ds], "slope": t.slope,
-            "slope_lo": t.boot_lo, "slope_hi": t.boot_hi, "intercept": t.intercept}
+            "slope_lo": t.lo, "slope_hi": t.hi, "intercept": t.intercept}
     return out
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,7 @@ class Report:
     links: dict[str, Any]
     cells: Cells
     beside: tuple[str, str, list[str]] | None = None  # (here, there, the folders) of the claims set beside
+    in_progress: dict[str, str] = field(default_factory=dict)  # study -> "246 of 360 cells finished"
 
     @property
     def numbered(self) -> list[ClaimRow]:
@@ -161,7 +162,10 @@ def title(r: Report) -> list[str]:
 def opening(r: Report) -> list[str]:
     """The answer first: what each variant reached, and the registered questions' answers."""
     control = control_lines(r.claim_rows)  # first, under a heading of its own, when the study registered one
-    md = ["## What these results say", "", *control,
+    interim = [f"**Interim**: {', '.join(f'`{n}` is in progress ({p})' for n, p in sorted(r.in_progress.items()))}."
+               " Every verdict and figure below is read from the cells finished so far, at the seeds they have, "
+               "and may change when the study is complete.", ""] if r.in_progress else []
+    md = ["## What these results say", "", *interim, *control,
           *(["### Each variant at its chosen rate", ""] if control else []), *summary_lines(r.groups, r.cells), ""]
     if any(c.status == "confirmatory" for c in r.claim_rows):
         return md + ["### Registered questions", "", *answers(r.claim_rows, r.cells), ""]

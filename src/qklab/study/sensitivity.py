@@ -5,8 +5,8 @@ large-scale Transformer training instabilities", arXiv 2309.14322).
   L(eta) the final report-split loss at rate eta, L0 the loss at initialisation, L* the best loss over the
   grid (min over eta of min(L(eta), L0)). Here L0 = ln(vocabulary): at initialisation the model's output
   logits are within a few hundredths of zero (init std 0.02, tied embeddings), so its loss is that of the
-  uniform distribution; a cell that diverged or stopped non-finite counts as L0. A seed counts only where
-  every rate of its grid finished.
+  uniform distribution; a cell that stopped non-finite counts as L0, one flagged diverged by its final loss
+  (capped at L0, as every loss). A seed counts only where every rate of its grid finished.
 * Size: non-embedding parameters (the count the result records less the token embedding, once if tied,
   twice if not), as Wortsman et al. count them.
 * Trends: a least-squares slope per seed against log10 of that size, so that a method's slope minus
@@ -27,6 +27,7 @@ import numpy as np
 
 from qklab.study.analyze import Group
 from qklab.study.result import load_result, num
+from qklab.study.stats import describe
 
 
 def width_ladders(groups: list[Group]) -> dict[str, dict[str, dict[int, Group]]]:
@@ -118,27 +119,27 @@ def group_sensitivity(g: Group) -> dict[int, float]:
 
 @dataclass(frozen=True)
 class Trend:
-    """A fit of y (log10 y with ``log_y``) against log10(size): ``by_seed`` seed -> its own slope; ``slope``
-    and ``intercept`` of the seed-mean curve; ``boot_lo``, ``boot_hi`` the slope's percentile bootstrap
-    interval, each size's seeds resampled with replacement independently; ``boots`` the (intercept, slope) of
-    every resample, for ``at``."""
+    """A fit of y (log10 y with ``log_y``) against log10(size), per seed over the seeds every size has:
+    ``fits`` seed -> (intercept, slope), ``by_seed`` seed -> slope; ``slope`` and ``intercept`` their means
+    (the fit of those seeds' means: least squares is linear in y); ``lo``, ``hi`` the t-interval over seeds of
+    the slope (NaN below two seeds). Seeds are the unit: a resample of each size's two or three seeds alone
+    would give intervals far too narrow (it misses the seed-to-seed spread of the slope itself)."""
 
     by_seed: dict[int, float]
     slope: float
     intercept: float
-    boot_lo: float
-    boot_hi: float
+    lo: float
+    hi: float
     log_y: bool
-    boots: tuple[tuple[float, float], ...] = field(default=(), repr=False)
+    fits: dict[int, tuple[float, float]] = field(default_factory=dict, repr=False)
 
     def at(self, size: float, confidence: float = 0.95) -> tuple[float, float, float]:
-        """(value, lo, hi) of the fit at ``size`` (back on the y scale with ``log_y``): the seed-mean fit and
-        the percentile interval of the resampled fits. It says what these sizes' seeds give, not how far the
-        law holds beyond them."""
+        """(value, lo, hi) of the fit at ``size`` (back on the y scale with ``log_y``): the mean of the seeds'
+        fits there and its t-interval over seeds. It says what these sizes' seeds give, not how far the law
+        holds beyond them."""
         x = math.log10(size)
-        ys = np.array([a + b * x for a, b in self.boots]) if self.boots else np.array([np.nan])
-        lo, hi = (float(q) for q in np.quantile(ys, [0.5 - confidence / 2, 0.5 + confidence / 2]))
-        mid = self.intercept + self.slope * x
+        d = describe([a + b * x for a, b in self.fits.values()], confidence)
+        mid, lo, hi = (self.intercept + self.slope * x if self.fits else float("nan")), d.ci_lo, d.ci_hi
         return (10 ** mid, 10 ** lo, 10 ** hi) if self.log_y else (mid, lo, hi)
 
 
@@ -148,26 +149,19 @@ def fit_scale(log_y: bool) -> Callable[[float], float]:
 
 
 def trend(sizes: Sequence[float], values: Sequence[Mapping[int, float]], log_y: bool = False,
-          n_boot: int = 2000, seed: int = 0, confidence: float = 0.95) -> Trend:
-    """The fit of ``values`` (one seed -> value map per size) against log10(size): per seed over the seeds
-    every size has, and of the seed means; the bootstrap resamples each size's seeds (needs two at each)."""
+          confidence: float = 0.95) -> Trend:
+    """The fit of ``values`` (one seed -> value map per size) against log10(size): each seed's own, over the
+    seeds with a finite value at every size, and their mean with its t-interval over those seeds."""
     xs = np.log10(np.asarray(sizes, dtype=np.float64))
     tf = fit_scale(log_y)
     vals = [{s: tf(v) for s, v in m.items() if math.isfinite(tf(v))} for m in values]
     common = sorted(set.intersection(*(set(m) for m in vals))) if vals else []
-    by_seed = {s: slope(xs, [m[s] for m in vals]) for s in common}
-    means = np.array([np.mean(list(m.values())) if m else np.nan for m in vals])
-    b = slope(xs, means)
-    a = float(means.mean() - b * xs.mean()) if math.isfinite(b) else float("nan")
-    boots: tuple[tuple[float, float], ...] = ()
-    lo = hi = float("nan")
-    arrays = [np.asarray(list(m.values()), dtype=np.float64) for m in vals]
-    if arrays and all(x.size >= 2 for x in arrays) and math.isfinite(b):
-        rng = np.random.default_rng(seed)
-        draws = np.stack([x[rng.integers(0, x.size, size=(n_boot, x.size))].mean(axis=1) for x in arrays], axis=1)
-        xc = xs - xs.mean()
-        bs = ((draws - draws.mean(axis=1, keepdims=True)) * xc).sum(axis=1) / (xc * xc).sum()  # (n_boot,)
-        as_ = draws.mean(axis=1) - bs * xs.mean()
-        boots = tuple(zip(as_.tolist(), bs.tolist(), strict=True))
-        lo, hi = (float(q) for q in np.quantile(bs, [0.5 - confidence / 2, 0.5 + confidence / 2]))
-    return Trend(by_seed, b, a, lo, hi, log_y, boots)
+    fits = {}
+    for s in common:
+        b = slope(xs, [m[s] for m in vals])
+        if math.isfinite(b):
+            fits[s] = (float(np.mean([m[s] for m in vals]) - b * xs.mean()), b)
+    d = describe([b for _, b in fits.values()], confidence)
+    a = float(np.mean([a for a, _ in fits.values()])) if fits else float("nan")
+    return Trend({s: b for s, (_, b) in fits.items()}, d.mean if fits else float("nan"), a, d.ci_lo, d.ci_hi,
+                 log_y, fits)
