@@ -81,3 +81,23 @@ def test_write_reproduces_the_registered_values_with_t_intervals(tmp_path):
             half = math.log10(w["hi"]) - math.log10(w["value"])
             assert math.log10(w["value"]) - math.log10(w["lo"]) == pytest.approx(half)
             assert half > 0
+
+
+def test_the_report_names_an_erratum_beside_the_file(tmp_path):
+    """A registered file stays as it is; an erratum in the README beside it is named under it in the report."""
+    import hashlib
+    import json
+
+    from qklab.report.predictions import predictions_lines
+
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(_pred()))
+    rec = {"s": {"predictions": [{"file": str(f), "sha256": hashlib.sha256(f.read_bytes()).hexdigest(),
+                                  "written": "then"}]}}
+    lines = predictions_lines(rec)
+    assert not any("Erratum" in ln for ln in lines) and "sha256 as recorded" in lines[2]
+    (tmp_path / "README.md").write_text("# x\n\n## Erratum to other.json\n\n## Erratum to p.json (later)\n\ntext\n")
+    lines = predictions_lines(rec)
+    assert lines[3] == (f"  - **Erratum** (written after it, the file unchanged): `{tmp_path / 'README.md'}`, "
+                        "section \"Erratum to p.json (later)\"")
+    assert sum("not yet tested" in ln.lower() for ln in lines) >= 4

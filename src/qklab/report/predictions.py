@@ -179,6 +179,21 @@ def as_json(checks: list[Check]) -> list[dict[str, str]]:
     return [asdict(c) for c in checks]
 
 
+def erratum(path: Path) -> str | None:
+    """Where a registered predictions file's erratum is, if one was written: a section "Erratum to NAME" in
+    the README.md beside it (the file itself stays as registered, its hash on record)."""
+    readme = path.parent / "README.md"
+    try:
+        text = readme.read_text()
+    except OSError:
+        return None
+    head = f"## Erratum to {path.name}"
+    if head not in text:
+        return None
+    line = text[text.index(head):].splitlines()[0]
+    return f"`{readme}`, section \"{line[3:]}\""
+
+
 def predictions_lines(studies: dict[str, dict[str, Any]], measured: list[dict[str, Any]] | None = None) -> list[str]:
     """The report's section: each predictions file a study.json records (its hash checked), its predictions
     for every target, and beside them the check against ``measured`` (a larger run's results), or "not yet
@@ -196,6 +211,8 @@ def predictions_lines(studies: dict[str, dict[str, Any]], measured: list[dict[st
             pred = json.loads(text)
             lines.append(f"- `{path}` ({'sha256 as recorded' if ok else '**sha256 differs from the record**'}, "
                          f"written {rec.get('written')}, from {pred.get('source')}); regime: {pred.get('regime')}")
+            if (note := erratum(path)) is not None:
+                lines.append(f"  - **Erratum** (written after it, the file unchanged): {note}")
             for target in pred.get("targets", {}):
                 checks = (check(pred, measured, target, same_regime=False) if measured else
                           [Check(c.id, "not yet tested", c.predicted, "-", "no larger run yet")
