@@ -21,7 +21,14 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
-from qklab.report.predictions import TARGETS, check, format_checks, make_predictions, write_predictions
+from qklab.report.predictions import (
+    TARGETS,
+    check,
+    format_checks,
+    logit_hit_interval,
+    make_predictions,
+    write_predictions,
+)
 from qklab.study.analyze import analyze, load_results
 from qklab.study.result import write_json_atomic
 
@@ -63,7 +70,7 @@ def _check(a) -> int:
 
 def _plant(a) -> int:
     """Minimal result files for the first target: every method at its predicted max logit, except the
-    first method, planted ten times above its interval; report losses in the predicted high-rate order."""
+    first method, planted ten times above where one run hits; report losses in the predicted high-rate order."""
     pred = json.loads(Path(a.predictions).read_text())
     t = pred["targets"][next(iter(TARGETS))]
     ranked = [p["upper"] for p in t["high_rate_loss_order"]] + [p["lower"] for p in t["high_rate_loss_order"][-1:]]
@@ -71,7 +78,8 @@ def _plant(a) -> int:
     out = Path(a.out)
     for i, (m, v) in enumerate(sorted(t["max_logit"].items())):
         method, controller = ("none", m) if m in ("quack", "qkclip", "qk_lr_multiplier") else (m, "none")
-        final = {"max_logit": v["hi"] * 10 if i == 0 else v["value"], "report_loss": loss.get(m, 5.0)}
+        final = {"max_logit": logit_hit_interval(v, 1)[1] * 10 if i == 0 else v["value"],
+                 "report_loss": loss.get(m, 5.0)}
         cell = f"planted-{m}_s0"
         (out / cell).mkdir(parents=True, exist_ok=True)
         (out / cell / "result.json").write_text(json.dumps(

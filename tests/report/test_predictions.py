@@ -101,3 +101,61 @@ def test_the_report_names_an_erratum_beside_the_file(tmp_path):
     assert lines[3] == (f"  - **Erratum** (written after it, the file unchanged): `{tmp_path / 'README.md'}`, "
                         "section \"Erratum to p.json (later)\"")
     assert sum("not yet tested" in ln.lower() for ln in lines) >= 4
+
+
+def test_a_blow_up_at_the_high_rate_counts_as_l0_in_the_loss_fits():
+    """The high-rate loss is read as LR sensitivity reads it: capped at L0 = ln(vocab), non-finite at L0, so a
+    seed that blew up stays in the fit, against its method."""
+    from qklab.report.predictions import _high_rate
+    from qklab.report.scale import MethodScale
+    from qklab.study.analyze import Group, RateOutcome
+
+    l0 = math.log(4096)
+    loss = {1.0: {0: 4.0, 1: 4.0, 2: 4.0}, 4.0: {0: float("inf"), 1: 9.5, 2: 5.0}}
+    logit = {1.0: {0: 10.0, 1: 10.0, 2: 10.0}, 4.0: {0: float("nan"), 1: 300.0, 2: 50.0}}
+    g = Group(study="s", variant="none", d_model=64, vocab_size=4096, chosen=1.0,
+              sweep={1.0: RateOutcome(lr=1e-3), 4.0: RateOutcome(lr=4e-3)},
+              grid_final={"report_loss": loss, "max_logit": logit})
+    r = MethodScale("s", "none", [64], [1e5], [], [], {}, None)
+    assert _high_rate(r, {("s", "none", 64): g}, "report_loss") == ([1e5], [{0: l0, 1: l0, 2: 5.0}])
+    assert _high_rate(r, {("s", "none", 64): g}, "max_logit") == ([1e5], [logit[4.0]])  # a logit as it is
+
+
+def test_a_run_hits_within_the_fit_widened_by_its_own_seed_noise():
+    """With the seeds' spread in the file, one run's max logit hits within value -+ t(n-1) sd sqrt(1/n + 1)
+    (log10), k runs' geometric mean within sqrt(1/n + 1/k); by hand against scipy's t quantile."""
+    from scipy import stats as scipy_stats
+
+    from qklab.report.predictions import logit_hit_interval
+    from qklab.study.sensitivity import trend
+
+    # three seeds' log-log fits at sizes 10, 100, 1000: log10 y = 1 + x (seed 0), 1 + 1.1 x, 1 + 1.2 x
+    t = trend([10, 100, 1000], [{s: 10 ** (1 + (1 + 0.1 * s) * x) for s in range(3)} for x in (1, 2, 3)], log_y=True)
+    n, sd = t.spread(1e4)  # at x = 4: 5, 5.4, 5.8: sd 0.4
+    assert n == 3 and sd == pytest.approx(0.4)
+    q = scipy_stats.t.ppf(0.975, 2)
+    value, lo, hi = t.at(1e4)
+    assert math.log10(hi) - 5.4 == pytest.approx(q * 0.4 / math.sqrt(3))  # the mean's interval
+    v = {"value": value, "lo": lo, "hi": hi, "seeds": n, "sd_log10": sd}
+    one = logit_hit_interval(v, 1)
+    assert math.log10(one[1]) - 5.4 == pytest.approx(q * 0.4 * math.sqrt(1 / 3 + 1))
+    assert math.log10(one[0]) - 5.4 == pytest.approx(-q * 0.4 * math.sqrt(1 / 3 + 1))
+    four = logit_hit_interval(v, 4)
+    assert math.log10(four[1]) - 5.4 == pytest.approx(q * 0.4 * math.sqrt(1 / 3 + 1 / 4))
+    # a run just outside the mean's interval but inside one run's: a hit; beyond one run's: a miss
+    x = 10 ** (5.4 + q * 0.4 / math.sqrt(3) * 1.5)
+    pred = {"targets": {TARGET: {"max_logit": {"none": v}, "max_logit_order": [], "high_rate_loss_order": [],
+                                 "sensitivity_order": []}}}
+    got = check(pred, [_result("none", "none", x, 6.0)], TARGET, True)[0]
+    assert got.outcome == "hit" and "1 run(s)" in got.why
+    got = check(pred, [_result("none", "none", one[1] * 1.01, 6.0)], TARGET, True)[0]
+    assert got.outcome == "miss"
+    # two runs: their geometric mean is what is read, within the two-run interval
+    two = logit_hit_interval(v, 2)
+    pair = [_result("none", "none", two[1] * 0.99 * 10, 6.0), _result("none", "none", two[1] * 0.99 / 10, 6.0)]
+    got = check(pred, pair, TARGET, True)[0]
+    assert got.outcome == "hit" and "geometric mean of 2" in got.measured
+    # a file written without the spread (scale_1.json) hits within the mean's interval, as registered
+    bare = {"targets": {TARGET: {**pred["targets"][TARGET], "max_logit": {"none": {"value": value, "lo": lo,
+                                                                                    "hi": hi}}}}}
+    assert check(bare, [_result("none", "none", x, 6.0)], TARGET, True)[0].outcome == "miss"

@@ -83,6 +83,31 @@ def test_group_sensitivity_and_size():
     assert group_sensitivity(_planted()[2]) == pytest.approx({s: (L0 - 4.0) / 2 for s in range(3)})
 
 
+def test_a_seed_counts_only_where_it_finished_every_registered_rate():
+    """The window is the registered grid, not the rates run so far: while no seed has reached a registered
+    rate, every seed is left out (rather than every seed's sensitivity taken over a narrower window)."""
+    from dataclasses import replace
+
+    from qklab.study.analyze import _registered_grid
+    from qklab.study.sensitivity import rate_grid, tuned_by_seed
+
+    g = _planted()[0]  # rates 1.0 and 2.0 run at every seed
+    g = replace(g, grid_final={**g.grid_final, "val_loss": g.grid_final["report_loss"]})
+    assert group_sensitivity(g) and tuned_by_seed(g)  # no grid recorded: the rates run
+    wider = replace(g, grid=(1.0, 2.0, 4.0))  # 4.0 registered, not run yet
+    assert rate_grid(wider) == [1.0, 2.0, 4.0]
+    assert group_sensitivity(wider) == {} and tuned_by_seed(wider) == {}
+    assert _measure("scale.control_logit_rate", [wider if x.variant == "none" and x.d_model == 64 else x
+                                                  for x in _planted()]).verdict == "not measurable"
+    assert group_sensitivity(replace(g, grid=(1.0, 2.0))) == group_sensitivity(g)
+    # a rate run beside the registered grid (one the study no longer registers) still counts
+    assert rate_grid(replace(g, grid=(1.0,))) == [1.0, 2.0]
+    # the registered grid: the variant's own lr_mults_for entry, else lr_mults; none recorded: ()
+    proto = {"protocol": {"lr_mults": [2, 0.5, 1], "lr_mults_for": {"qkmap": [4, 1]}}}
+    assert _registered_grid(proto, "none") == (0.5, 1.0, 2.0) and _registered_grid(proto, "qkmap") == (1.0, 4.0)
+    assert _registered_grid({}, "none") == ()
+
+
 def _measure(cid: str, groups: list[dict]):
     return CATALOGUE[cid].measure(groups, CATALOGUE[cid].params())
 

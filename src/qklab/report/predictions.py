@@ -5,7 +5,10 @@ measures, prediction by prediction: hit, miss, or not tested (with why).
 What is predicted, at each target size (non-embedding parameters), for every method the ladder ran:
 * ``max_logit``: the final max attention logit at 4x the method's tuned rate (log-log fit), with the
   t-interval over seeds of the seeds' own fits (``scale_1.json``, written before, has a bootstrap of each
-  size's seeds, far too narrow: docs/results/predictions/README.md); and the order of the methods by it;
+  size's seeds, far too narrow: docs/results/predictions/README.md), and the seeds' count and the spread of
+  their fits there (``seeds``, ``sd_log10``), from which a check widens the interval by the measured run's
+  own seed noise (``run_interval``: one run hits within t sd sqrt(1/n + 1), not within the mean's
+  t sd sqrt(1/n)); and the order of the methods by it;
 * ``high_rate_loss``: the order of the methods by their final report loss at 4x their tuned rate (log-linear
   fits);
 * ``sensitivity``: the order of the methods by LR sensitivity (log-linear fits).
@@ -26,7 +29,7 @@ from typing import Any
 
 from qklab.report.scale import MethodScale, method_scales
 from qklab.study.analyze import Group
-from qklab.study.sensitivity import Trend, grid_final, trend
+from qklab.study.sensitivity import Trend, grid_final, run_interval, trend
 
 GPU_RESULTS = Path("docs/results/gpu_payload")  # where a GPU run's payload results are committed
 HIGH = 4.0  # the high rate: this multiple of each method's tuned rate
@@ -57,14 +60,20 @@ def _interval(t: Trend | None, size: float) -> list[float] | None:
 
 
 def _high_rate(r: MethodScale, groups: dict[tuple, dict], key: str) -> tuple[list[float], list[dict[int, float]]]:
-    """sizes and per-seed ``final[key]`` at HIGH x each width's tuned rate (widths whose grid has it)."""
+    """sizes and per-seed ``final[key]`` at HIGH x each width's tuned rate (widths whose grid has it). A loss
+    is read as LR sensitivity reads it: capped at L0 = ln(vocab), a cell that stopped non-finite at L0 (so a
+    blow-up at the high rate counts against its method instead of leaving its seed out of the fit)."""
     sizes, vals = [], []
     for w, size in zip(r.widths, r.sizes, strict=True):
         g = groups[(r.study, r.variant, w)]
         m = g.chosen * HIGH if g.chosen is not None else None
         if m in g.sweep:
             sizes.append(size)
-            vals.append(grid_final(g, key)[m])
+            got = grid_final(g, key)[m]
+            if key == "report_loss" and g.vocab_size:
+                l0 = math.log(float(g.vocab_size))
+                got = {s: min(v, l0) if math.isfinite(v) else l0 for s, v in got.items()}
+            vals.append(got)
     return sizes, vals
 
 
@@ -84,13 +93,15 @@ def make_predictions(groups: list[Group], regime: str, source: str) -> dict[str,
                            "note": "intervals: t-interval over seeds of each seed's own fit, which is not an "
                                    "interval over how far the fitted law holds beyond the sizes it was fitted on"}
     for label, size in TARGETS.items():
-        logit, loss, sens = {}, {}, {}
+        logit, loss, sens, spread = {}, {}, {}, {}
         for r in rows:
             m = method_key(by_key[(r.study, r.variant, r.widths[0])].method,
                            by_key[(r.study, r.variant, r.widths[0])].controller)
             sizes, vals = _high_rate(r, by_key, "max_logit")
-            if (iv := _interval(trend(sizes, vals, log_y=True) if len(sizes) >= 3 else None, size)) is not None:
+            tl = trend(sizes, vals, log_y=True) if len(sizes) >= 3 else None
+            if (iv := _interval(tl, size)) is not None:
                 logit[m] = iv
+                spread[m] = tl.spread(size)
             sizes, vals = _high_rate(r, by_key, "report_loss")
             if (iv := _interval(trend(sizes, vals) if len(sizes) >= 3 else None, size)) is not None:
                 loss[m] = iv
@@ -98,7 +109,8 @@ def make_predictions(groups: list[Group], regime: str, source: str) -> dict[str,
                 sens[m] = [max(x, 0.0) for x in iv]  # it cannot fall below 0: a fit that does reads as 0
         out["targets"][label] = {
             "non_embedding_parameters": size,
-            "max_logit": {m: {"value": v[0], "lo": v[1], "hi": v[2]} for m, v in logit.items()},
+            "max_logit": {m: {"value": v[0], "lo": v[1], "hi": v[2], "seeds": spread[m][0],
+                              "sd_log10": spread[m][1]} for m, v in logit.items()},
             "max_logit_order": _order(logit), "high_rate_loss_order": _order(loss), "sensitivity_order": _order(sens),
             "sensitivity": {m: {"value": v[0], "lo": v[1], "hi": v[2]} for m, v in sens.items()}}
     return out
@@ -113,7 +125,8 @@ def write_predictions(pred: dict[str, Any], path: Path) -> str:
 
 
 def _measured(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """method -> {max_logit, report_loss} of a run's finished cells (the mean over its seeds)."""
+    """method -> {max_logit, report_loss} of a run's finished cells (the mean over its seeds; the mean of
+    log10 for the max logit, the scale it is predicted on) and {"runs": how many seeds the logit's mean has}."""
     acc: dict[str, dict[str, list[float]]] = {}
     for r in results:
         if r.get("status") == "failed":
@@ -124,7 +137,22 @@ def _measured(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             v = f.get(k)
             if isinstance(v, int | float) and math.isfinite(v):
                 m[k].append(float(v))
-    return {m: {k: sum(v) / len(v) for k, v in d.items() if v} for m, d in acc.items()}
+    out: dict[str, dict[str, float]] = {}
+    for m, d in acc.items():
+        out[m] = {"report_loss": sum(d["report_loss"]) / len(d["report_loss"])} if d["report_loss"] else {}
+        logs = [math.log10(v) for v in d["max_logit"] if v > 0]
+        if logs:
+            out[m] |= {"max_logit": 10 ** (sum(logs) / len(logs)), "runs": len(logs)}
+    return out
+
+
+def logit_hit_interval(v: dict[str, float], runs: int) -> tuple[float, float]:
+    """Where a run's max logit (the geometric mean of ``runs`` seeds) hits a prediction: the interval of the
+    fit's mean widened by the new seeds' own spread (``run_interval``), where the file gives the seeds' spread;
+    a file written without it (``scale_1.json``) gives only the interval of the mean."""
+    if "sd_log10" not in v:
+        return v["lo"], v["hi"]
+    return run_interval(math.log10(v["value"]), int(v["seeds"]), v["sd_log10"], runs, log_y=True)
 
 
 def _check_order(pid: str, order: list[dict], measured: dict[str, dict[str, float]], key: str) -> Check:
@@ -154,8 +182,12 @@ def check(pred: dict[str, Any], results: list[dict[str, Any]], target: str, same
         elif "max_logit" not in measured.get(m, {}):
             out.append(Check(pid, "not tested", shown, "-", f"no finished {m} cell"))
         else:
-            x = measured[m]["max_logit"]
-            out.append(Check(pid, "hit" if v["lo"] <= x <= v["hi"] else "miss", shown, f"{x:.4g}"))
+            x, runs = measured[m]["max_logit"], int(measured[m]["runs"])
+            lo, hi = logit_hit_interval(v, runs)
+            why = (f"hit interval for {runs} run(s), the seeds' own spread added: [{lo:.3g}, {hi:.3g}]"
+                   if "sd_log10" in v else "the interval of the mean: the file gives no seed spread")
+            out.append(Check(pid, "hit" if lo <= x <= hi else "miss", shown,
+                             f"{x:.4g}" + (f" (geometric mean of {runs})" if runs > 1 else ""), why))
     orders = [_check_order(f"max_logit_order @ {target}", t["max_logit_order"], measured, "max_logit"),
               _check_order(f"high_rate_loss_order @ {target}", t["high_rate_loss_order"], measured, "report_loss")]
     if not same_regime:  # e.g. one shared rate for every method, where the prediction is at 4x each one's own

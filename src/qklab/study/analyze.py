@@ -74,6 +74,7 @@ class Group:
     n_cells: int = 0
     failed: list[dict[str, Any]] = field(default_factory=list)  # {"cell", "failure", "log"} of each failed cell
     sweep: dict[float, RateOutcome] = field(default_factory=dict)  # rate multiple -> its seeds' outcomes
+    grid: tuple[float, ...] = ()  # the rate multiples its study registered for it (() where none is recorded)
     cells: dict[float, list[dict[str, Any]]] = field(default_factory=dict)  # rate multiple -> its cells' files
     chosen: float | None = None  # the chosen rate multiple (None: no rate eligible)
     chosen_lr: float | None = None
@@ -286,9 +287,18 @@ def analyze(results: list[dict], studies: dict[str, dict], delta: float = DELTA)
             paired = {metric: paired_difference(g.at_chosen[metric], rg.at_chosen[metric])
                       for metric in ("report_loss", "train_loss", "max_logit", "first_token")}
         groups.append(replace(g, order=names.index(g.variant) if g.variant in names else len(names), reference=ref,
-                              paired=paired, multi=len(studies) > 1))
+                              paired=paired, multi=len(studies) > 1,
+                              grid=_registered_grid(studies.get(study, {}), g.variant)))
     ordered = sorted(groups, key=lambda g: (g.study, natural_key(g.point), g.attention, g.order))
     return Analysis(stability(ordered, delta), studies, len(results))
+
+
+def _registered_grid(study: dict, variant: str) -> tuple[float, ...]:
+    """The rate multiples a study's protocol registered for a variant (its own ``lr_mults_for`` entry, else
+    ``lr_mults``); () where the study.json records none."""
+    p = study.get("protocol", {})
+    mults = (p.get("lr_mults_for") or {}).get(variant, p.get("lr_mults"))
+    return tuple(sorted(float(m) for m in mults)) if mults else ()
 
 
 def _reference(study: dict, attention: str) -> str | None:

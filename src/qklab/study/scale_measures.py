@@ -10,7 +10,7 @@ import numpy as np
 
 from qklab.study.analyze import Group
 from qklab.study.measures import ClaimStats, Measured, interval_rule, not_measurable
-from qklab.study.sensitivity import group_sensitivity, group_size, slope, width_ladders
+from qklab.study.sensitivity import group_sensitivity, group_size, rate_grid, slope, width_ladders
 from qklab.study.stats import difference_stats, fmt_ci
 
 REFERENCE = "none"  # the method every scale claim is read against (a variant whose method and controller are none)
@@ -64,8 +64,9 @@ def logit_by_rate() -> Callable:
             return not_measurable("needs `none` at two or more widths in one study")
         per_seed: dict[int, list[float]] = {}
         for g in by_w.values():
-            rates = sorted(g.sweep)
-            seeds = set.intersection(*(set(g.sweep[m].max_logit_by_seed) for m in rates))
+            rates = rate_grid(g)  # a seed counts where it finished every registered rate
+            seeds = set.intersection(*(set(g.sweep[m].max_logit_by_seed) if m in g.sweep else set()
+                                       for m in rates))
             for s in seeds:
                 ys = [g.sweep[m].max_logit_by_seed[s] for m in rates]
                 xs = [math.log2(g.sweep[m].lr) for m in rates]

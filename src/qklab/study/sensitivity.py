@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from scipy.stats import t as scipy_t
 
 from qklab.study.analyze import Group
 from qklab.study.result import load_result, num
@@ -91,11 +92,19 @@ def grid_final(g: Group, key: str = "report_loss") -> dict[float, dict[int, floa
     return cache[key]
 
 
+def rate_grid(g: Group) -> list[float]:
+    """The rate multiples a seed must have finished to count: the grid its study registered for the group's
+    variant, and every rate run beside it (a study that ran a rate it no longer registers still has those
+    cells); only the rates run where the study.json records no grid. A rate not yet run by any seed thus
+    leaves every seed out instead of narrowing the window of all of them."""
+    return sorted(set(g.grid) | set(g.sweep))
+
+
 def tuned_by_seed(g: Group) -> dict[int, float]:
     """seed -> the rate (not the multiple) with that seed's lowest final selection-split loss, for the seeds
-    with a finished cell at every rate of the group's grid (a non-finite loss never wins)."""
+    with a finished cell at every rate of the group's grid (``rate_grid``; a non-finite loss never wins)."""
     grid = grid_final(g, "val_loss")
-    mults = sorted(g.sweep)
+    mults = rate_grid(g)
     seeds = set.intersection(*(set(grid.get(m, {})) for m in mults)) if mults else set()
     out = {}
     for s in sorted(seeds):
@@ -106,13 +115,13 @@ def tuned_by_seed(g: Group) -> dict[int, float]:
 
 
 def group_sensitivity(g: Group) -> dict[int, float]:
-    """seed -> LR sensitivity of an analysed group over its whole rate grid (``grid_final``: report split),
-    for the seeds with a finished cell at every rate; L0 = ln(vocab)."""
+    """seed -> LR sensitivity of an analysed group over its whole rate grid (``rate_grid``; ``grid_final``:
+    report split), for the seeds with a finished cell at every rate; L0 = ln(vocab)."""
     grid = grid_final(g)
     if not grid or not g.vocab_size:
         return {}
     l0 = math.log(float(g.vocab_size))
-    by_rate = [grid.get(m, {}) for m in sorted(g.sweep)]
+    by_rate = [grid.get(m, {}) for m in rate_grid(g)]
     seeds = set.intersection(*(set(r) for r in by_rate)) if by_rate else set()
     return {s: lr_sensitivity([r[s] for r in by_rate], l0) for s in sorted(seeds)}
 
@@ -141,6 +150,26 @@ class Trend:
         d = describe([a + b * x for a, b in self.fits.values()], confidence)
         mid, lo, hi = (self.intercept + self.slope * x if self.fits else float("nan")), d.ci_lo, d.ci_hi
         return (10 ** mid, 10 ** lo, 10 ** hi) if self.log_y else (mid, lo, hi)
+
+    def spread(self, size: float) -> tuple[int, float]:
+        """(seeds, sample std of the seeds' fits at ``size``), on the fit's scale (log10 with ``log_y``): what
+        ``run_interval`` needs, to be written beside a prediction."""
+        x = math.log10(size)
+        d = describe([a + b * x for a, b in self.fits.values()])
+        return d.n, d.std
+
+
+def run_interval(mid: float, n: int, sd: float, runs: int = 1, log_y: bool = False,
+                 confidence: float = 0.95) -> tuple[float, float]:
+    """Where the mean of ``runs`` new seeds' values should fall if a fit held at that size: ``mid`` (on the fit's
+    scale) -+ t(n - 1) sd sqrt(1/n + 1/runs), n seeds' fits with sample std ``sd`` there. The interval of the
+    mean alone (``Trend.at``) leaves out the new runs' own seed-to-seed spread; one new run has sd on top.
+    (NaN, NaN) below two seeds."""
+    if n < 2 or not math.isfinite(sd):
+        return float("nan"), float("nan")
+    half = float(scipy_t.ppf(0.5 + confidence / 2, n - 1)) * sd * math.sqrt(1 / n + 1 / runs)
+    lo, hi = mid - half, mid + half
+    return (10 ** lo, 10 ** hi) if log_y else (lo, hi)
 
 
 def fit_scale(log_y: bool) -> Callable[[float], float]:
