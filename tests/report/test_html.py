@@ -188,7 +188,7 @@ def test_claims_table_verdicts_and_links(planted):
     assert amended["verdict"] == "**agree**"
     assert amended["reason"] == ("Holm p = 0.01 < 0.05 (amended plan); under the registered plan: inconclusive "
                                  "(Holm p = 0.2 is not below 0.05)")
-    for col in ("n", "mean difference", "95% t-interval", "p Holm (sign-flip)", "measured here"):
+    for col in ("n", "mean difference", "95% t-interval", "p Holm", "measured here"):
         assert targets(md, out, amended[col]) == [p.resolve() for p in cells[0]], col
     one = got["keeps attention logits smaller"]["n"]  # one cell: a direct link to its file
     assert one == "[6](../results/quack_lr2_s1/result.json)" and (out / "../results/quack_lr2_s1/result.json").is_file()

@@ -157,11 +157,13 @@ def _rebuilt_tables(report: Path) -> tuple[dict, list, dict, list | None]:
 @pytest.mark.parametrize("report_json", COMMITTED)
 def test_every_committed_report_matches_its_results(report_json):
     """Any committed report, complete or in progress (the demo's and the combined one too): its claims
-    and results tables (its width-ladder and beside tables too, where it has them) are what the current code
-    makes of the result files it was built from. Fails when a cell was committed without rebuilding the
+    and results tables (its width-ladder, scale and beside tables too, where it has them) are what the current
+    code makes of the result files it was built from. Fails when a cell was committed without rebuilding the
     report, or when a change to the analysis moves a published number."""
+    from qklab.report.holdout import held_out, held_out_table
     from qklab.report.ladder import ladder_table
     from qklab.report.render import results_table
+    from qklab.report.scale import method_scales, scale_sensitivity_table, trends_table
 
     tables, groups, studies, first = _rebuilt_tables(RESULTS / report_json)
     rows = claims_table(groups, studies, first)
@@ -169,6 +171,11 @@ def test_every_committed_report_matches_its_results(report_json):
     ladder = ladder_table(groups)
     if ladder[1] or "ladder" in tables:  # a study with a width grid: its gap by width
         want["ladder"] = ladder
+    scale = method_scales(groups)
+    if scale or "scale_sensitivity" in tables:  # a width ladder of three or more widths: its trends
+        want["scale_sensitivity"], want["scale_trends"] = scale_sensitivity_table(scale), trends_table(scale)
+        if held := held_out(scale):  # four widths or more: the widest held out of each trend
+            want["scale_held_out"] = held_out_table(held)
     beside = json.loads((RESULTS / report_json).read_text()).get("beside")
     if beside is not None:  # the claims of other results set beside these (qklab report --beside)
         from qklab.report.beside import beside_table

@@ -44,8 +44,8 @@ VERDICT_RULE = (
     'they keep the grid rule, stay outside the families, and their verdict is the same under both rules. '
     'A claim registered with test = "t" (the scale and recency claims) is tested by the paired t-test in place '
     "of the sign-flip test: its two-sided t p-value is what Holm and Benjamini-Hochberg adjust (the columns "
-    "named 'sign-flip' then hold the t-test's), from 2 paired seeds (a t-test can reach alpha there, with "
-    'little power), and it is agree or disagree as above. '
+    "'p Holm' and 'q BH' adjust each claim's registered test's p), from 2 paired seeds (a t-test can reach "
+    'alpha there, with little power), and it is agree or disagree as above. '
     '**not measurable**: the study has no cells, probes or rate grid that could test it. The effect size is '
     '(mean difference - margin) / sd of the differences; for the logit claims the statistics are of log10 of '
     "the ratio. The column 'verdict (old rule)' gives the rule used before, for comparison: agree or disagree"

@@ -284,7 +284,7 @@ def _reason(r: ClaimRow) -> str:
 CLAIM_COLUMNS = (("paper", None), ("claim", None), ("measurement", None), ("measured here", "claim"), ("verdict", None),
                  ("reason", None), ("verdict (old rule)", None), *((name, "claim") for name in (
                      "n", "df", "mean difference", "95% t-interval", "bootstrap 95%", "effect (mean/sd)", "p (t)",
-                     "p (sign-flip)", "p Holm (sign-flip)", "q BH (sign-flip)")))
+                     "p (sign-flip)", "p Holm", "q BH")))  # Holm and BH of the registered test's p (verdict rule)
 
 
 def claims_rows(groups: list[Group], rows: list[ClaimRow] | None = None, studies: dict | None = None) -> Table:
