@@ -27,6 +27,7 @@ from qklab.report.predictions import (
     format_checks,
     logit_hit_interval,
     make_predictions,
+    ranking,
     write_predictions,
 )
 from qklab.study.analyze import analyze, load_results
@@ -73,7 +74,7 @@ def _plant(a) -> int:
     first method, planted ten times above where one run hits; report losses in the predicted high-rate order."""
     pred = json.loads(Path(a.predictions).read_text())
     t = pred["targets"][next(iter(TARGETS))]
-    ranked = [p["upper"] for p in t["high_rate_loss_order"]] + [p["lower"] for p in t["high_rate_loss_order"][-1:]]
+    ranked = ranking(t["high_rate_loss_order"])
     loss = {m: 6.0 - 0.1 * i for i, m in enumerate(ranked)}
     out = Path(a.out)
     for i, (m, v) in enumerate(sorted(t["max_logit"].items())):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from qklab.report.predictions import _order, check, method_key
+from qklab.report.predictions import _order, check, method_key, order_text, ranking
 
 TARGET = "38M"
 
@@ -27,7 +27,17 @@ def _result(method: str, controller: str, logit: float, loss: float) -> dict:
 
 def test_order_marks_overlapping_intervals_tied():
     assert _order({"a": [1.0, 0.5, 1.5], "b": [2.0, 1.6, 2.4], "c": [0.0, -0.2, 0.6]}) == [
-        {"upper": "b", "lower": "a", "relation": "above"}, {"upper": "a", "lower": "c", "relation": "tied"}]
+        {"upper": "b", "lower": "a", "relation": "above"}, {"upper": "b", "lower": "c", "relation": "above"},
+        {"upper": "a", "lower": "c", "relation": "tied"}]
+    # a chain of overlapping neighbours still holds its two ends apart: every pair is predicted
+    chain = _order({"a": [3.0, 2.0, 4.0], "b": [2.0, 1.0, 3.0], "c": [1.0, 0.0, 1.9]})
+    assert [p["relation"] for p in chain] == ["tied", "above", "tied"]  # a~b, a>c, b~c
+    assert ranking(chain) == ["a", "b", "c"]
+    assert order_text(chain) == "ranking a, b, c; apart: a > c (2 other pair(s) tied)"
+    # a file written with neighbours only (scale_1.json) ranks the same
+    neighbours = [{"upper": "a", "lower": "b", "relation": "tied"}, {"upper": "b", "lower": "c", "relation": "tied"}]
+    assert ranking(neighbours) == ["a", "b", "c"]
+    assert order_text(_order({"a": [1.0, 0.0, 2.0], "b": [0.5, 0.0, 1.0]})) == "ranking a, b; no pair apart"
     assert method_key("none", "quack") == "quack" and method_key("qknorm", "none") == "qknorm"
 
 
@@ -39,6 +49,12 @@ def test_hits_misses_and_untested():
     assert got["max_logit qknorm"].outcome == "hit"
     assert got["max_logit_order"].outcome == "hit"  # none 300 > qknorm 7, as predicted apart
     assert got["high_rate_loss_order"].outcome == "not tested"  # the only pair was predicted tied
+    # a chain a ~ b ~ c with a > c: measured c above a is a miss, whatever b does
+    pred3 = {"targets": {TARGET: {**pred["targets"][TARGET], "max_logit": {}, "high_rate_loss_order": _order(
+        {"none": [3.0, 2.0, 4.0], "quack": [2.0, 1.0, 3.0], "qknorm": [1.0, 0.0, 1.9]})}}}
+    runs = [_result("none", "none", 1.0, 1.0), _result("none", "quack", 1.0, 9.0), _result("qknorm", "none", 1.0, 2.0)]
+    got3 = {c.id.split(" @ ")[0]: c for c in check(pred3, runs, TARGET, True)}
+    assert got3["high_rate_loss_order"].outcome == "miss" and "0 of 1 pairs" in got3["high_rate_loss_order"].why
     assert got["sensitivity_order"].outcome == "not tested"  # one rate per method
     # another regime: values are not tested, orders still are; a reversed order is a miss
     other = {c.id.split(" @ ")[0]: c for c in check(pred, [_result("none", "none", 5.0, 6.0),

@@ -12,8 +12,9 @@ What is predicted, at each target size (non-embedding parameters), for every met
 * ``high_rate_loss``: the order of the methods by their final report loss at 4x their tuned rate (log-linear
   fits);
 * ``sensitivity``: the order of the methods by LR sensitivity (log-linear fits).
-An order names each adjacent pair as "above" only where the two fits' intervals do not overlap, else
-"tied"; a check counts only the pairs predicted apart. Every prediction carries the regime of the fits
+An order names every pair of methods "above" only where the two fits' intervals do not overlap, else
+"tied" (``scale_1.json``, written before, names neighbours in the ranking only); a check counts only the
+pairs predicted apart. Every prediction carries the regime of the fits
 (optimizer, corpus, depth, steps): a run in another regime can check only what the prediction says carries
 across regimes (the orders), and a value prediction reads "not tested" there.
 """
@@ -78,11 +79,30 @@ def _high_rate(r: MethodScale, groups: dict[tuple, dict], key: str) -> tuple[lis
 
 
 def _order(values: dict[str, list[float]]) -> list[dict[str, Any]]:
-    """Methods from the highest predicted value down; each adjacent pair "above" when the upper one's
-    interval lies wholly above the lower one's, else "tied"."""
+    """Every pair of methods, ranked from the highest predicted value down (method -> [value, lo, hi]): "above"
+    when the upper one's interval lies wholly above the lower one's, else "tied". Every pair, not only
+    neighbours in the ranking: a chain of overlapping neighbours can hold two methods far apart (``scale_1.json``,
+    written before, lists neighbours only)."""
     ranked = sorted(values, key=lambda k: -values[k][0])
     return [{"upper": a, "lower": b, "relation": "above" if values[a][1] > values[b][2] else "tied"}
-            for a, b in zip(ranked, ranked[1:], strict=False)]
+            for i, a in enumerate(ranked) for b in ranked[i + 1:]]
+
+
+def ranking(order: list[dict[str, Any]]) -> list[str]:
+    """The predicted ranking an order's pairs were listed in (every pair, or neighbours only)."""
+    out: list[str] = []
+    for p in order:
+        out += [m for m in (p["upper"], p["lower"]) if m not in out]
+    return out
+
+
+def order_text(order: list[dict[str, Any]]) -> str:
+    """'ranking a, b, c; apart: a > c (the other pairs tied)', or '...; no pair apart'."""
+    apart = [f"{p['upper']} > {p['lower']}" for p in order if p["relation"] == "above"]
+    rest = len(order) - len(apart)
+    return (f"ranking {', '.join(ranking(order))}; "
+            + (f"apart: {', '.join(apart)}" + (f" ({rest} other pair(s) tied)" if rest else "") if apart
+               else "no pair apart"))
 
 
 def make_predictions(groups: list[Group], regime: str, source: str) -> dict[str, Any]:
@@ -158,7 +178,7 @@ def logit_hit_interval(v: dict[str, float], runs: int) -> tuple[float, float]:
 def _check_order(pid: str, order: list[dict], measured: dict[str, dict[str, float]], key: str) -> Check:
     apart = [p for p in order if p["relation"] == "above" and p["upper"] in measured and p["lower"] in measured
              and key in measured[p["upper"]] and key in measured[p["lower"]]]
-    text = ", ".join(f"{p['upper']} {'>' if p['relation'] == 'above' else '~'} {p['lower']}" for p in order)
+    text = order_text(order)
     if not apart:
         return Check(pid, "not tested", text, "-", "no pair predicted apart was measured")
     wrong = [p for p in apart if not measured[p["upper"]][key] > measured[p["lower"]][key]]
@@ -194,9 +214,7 @@ def check(pred: dict[str, Any], results: list[dict[str, Any]], target: str, same
         orders = [replace(c, why=f"{c.why}; another regime: an observation beside the prediction, not its test")
                   for c in orders]
     out += orders
-    sens = ", ".join(f"{p['upper']} {'>' if p['relation'] == 'above' else '~'} {p['lower']}"
-                     for p in t["sensitivity_order"])
-    out.append(Check(f"sensitivity_order @ {target}", "not tested", sens, "-",
+    out.append(Check(f"sensitivity_order @ {target}", "not tested", order_text(t["sensitivity_order"]), "-",
                      "LR sensitivity needs each method on a rate grid"))
     return out
 
