@@ -175,3 +175,44 @@ def test_a_run_hits_within_the_fit_widened_by_its_own_seed_noise():
     bare = {"targets": {TARGET: {**pred["targets"][TARGET], "max_logit": {"none": {"value": value, "lo": lo,
                                                                                     "hi": hi}}}}}
     assert check(bare, [_result("none", "none", x, 6.0)], TARGET, True)[0].outcome == "miss"
+
+
+def test_tuned_rate_predictions_against_the_result_files(tmp_path):
+    """The predicted tuned rate at each target, recomputed straight from ladder_english's result files: per
+    seed and width the rate with the lowest selection-split loss, a least-squares line of log10 rate on
+    log10 non-embedding parameters per seed, the mean of the seeds' lines at the target and its t-interval."""
+    import json
+    from collections import defaultdict
+    from pathlib import Path
+
+    import numpy as np
+    from scipy import stats as scipy_stats
+
+    from qklab.report.predictions import TARGETS, make_predictions
+    from qklab.study.analyze import analyze, load_results
+
+    root = Path(__file__).resolve().parents[2] / "docs/results/ladder_english"
+    results, studies = load_results([root])
+    pred = make_predictions(analyze(results, studies).groups, "x", "x")
+    best: dict = defaultdict(dict)  # (variant, seed) -> width -> (val loss, lr)
+    size: dict = {}
+    for f in root.glob("*/result.json"):
+        r = json.loads(f.read_text())
+        d, v = r["config"]["model"]["d_model"], r["config"]["model"]["vocab_size"]
+        size[(r["variant"], d)] = r["n_params"] - v * d  # tied embeddings
+        key, got = (r["variant"], r["seed"]), (r["final"]["val_loss"], r["lr"])
+        best[key][d] = min(best[key].get(d, got), got)
+    key_of = {"none": "none", "qknorm": "qknorm", "qkmap": "qkmap", "quack-t1": "quack"}
+    for label, n in TARGETS.items():
+        for variant, m in key_of.items():
+            at = []
+            for seed in (0, 1):
+                ws = sorted(best[(variant, seed)])
+                x = np.log10([size[(variant, w)] for w in ws])
+                y = np.log10([best[(variant, seed)][w][1] for w in ws])
+                b, a = np.polyfit(x, y, 1)
+                at.append(a + b * np.log10(n))
+            half = scipy_stats.t.ppf(0.975, 1) * np.std(at, ddof=1) / np.sqrt(2)
+            want = [10 ** np.mean(at), 10 ** (np.mean(at) - half), 10 ** (np.mean(at) + half)]
+            got = pred["targets"][label]["tuned_rate"][m]
+            assert [got["value"], got["lo"], got["hi"]] == pytest.approx(want, rel=1e-9), (label, m)

@@ -11,7 +11,9 @@ What is predicted, at each target size (non-embedding parameters), for every met
   t sd sqrt(1/n)); and the order of the methods by it;
 * ``high_rate_loss``: the order of the methods by their final report loss at 4x their tuned rate (log-linear
   fits);
-* ``sensitivity``: the order of the methods by LR sensitivity (log-linear fits).
+* ``sensitivity``: the order of the methods by LR sensitivity (log-linear fits);
+* ``tuned_rate``: each method's tuned rate (log-log fit; files written before 2026-12-07 lack it), the rate
+  the high-rate predictions are 4x of: a run that checks them at 4x its own tuned rate needs it first.
 An order names every pair of methods "above" only where the two fits' intervals do not overlap, else
 "tied" (``scale_1.json``, written before, names neighbours in the ranking only); a check counts only the
 pairs predicted apart. Every prediction carries the regime of the fits
@@ -113,7 +115,7 @@ def make_predictions(groups: list[Group], regime: str, source: str) -> dict[str,
                            "note": "intervals: t-interval over seeds of each seed's own fit, which is not an "
                                    "interval over how far the fitted law holds beyond the sizes it was fitted on"}
     for label, size in TARGETS.items():
-        logit, loss, sens, spread = {}, {}, {}, {}
+        logit, loss, sens, spread, tuned = {}, {}, {}, {}, {}
         for r in rows:
             m = method_key(by_key[(r.study, r.variant, r.widths[0])].method,
                            by_key[(r.study, r.variant, r.widths[0])].controller)
@@ -127,12 +129,15 @@ def make_predictions(groups: list[Group], regime: str, source: str) -> dict[str,
                 loss[m] = iv
             if (iv := _interval(r.sensitivity_trend(), size)) is not None:
                 sens[m] = [max(x, 0.0) for x in iv]  # it cannot fall below 0: a fit that does reads as 0
+            if (iv := _interval(r.tuned_trend(), size)) is not None:
+                tuned[m] = iv
         out["targets"][label] = {
             "non_embedding_parameters": size,
             "max_logit": {m: {"value": v[0], "lo": v[1], "hi": v[2], "seeds": spread[m][0],
                               "sd_log10": spread[m][1]} for m, v in logit.items()},
             "max_logit_order": _order(logit), "high_rate_loss_order": _order(loss), "sensitivity_order": _order(sens),
-            "sensitivity": {m: {"value": v[0], "lo": v[1], "hi": v[2]} for m, v in sens.items()}}
+            "sensitivity": {m: {"value": v[0], "lo": v[1], "hi": v[2]} for m, v in sens.items()},
+            "tuned_rate": {m: {"value": v[0], "lo": v[1], "hi": v[2]} for m, v in tuned.items()}}
     return out
 
 
@@ -214,6 +219,8 @@ def check(pred: dict[str, Any], results: list[dict[str, Any]], target: str, same
         orders = [replace(c, why=f"{c.why}; another regime: an observation beside the prediction, not its test")
                   for c in orders]
     out += orders
+    out += [Check(f"tuned_rate {m} @ {target}", "not tested", f"{v['value']:.3g} [{v['lo']:.3g}, {v['hi']:.3g}]",
+                  "-", "a tuned rate needs each method on a rate grid") for m, v in t.get("tuned_rate", {}).items()]
     out.append(Check(f"sensitivity_order @ {target}", "not tested", order_text(t["sensitivity_order"]), "-",
                      "LR sensitivity needs each method on a rate grid"))
     return out
