@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from qklab.report.predictions import _order, check, method_key, order_text, ranking
@@ -138,81 +139,87 @@ def test_a_blow_up_at_the_high_rate_counts_as_l0_in_the_loss_fits():
 
 
 def test_a_run_hits_within_the_fit_widened_by_its_own_seed_noise():
-    """With the seeds' spread in the file, one run's max logit hits within value -+ t(n-1) sd sqrt(1/n + 1)
-    (log10), k runs' geometric mean within sqrt(1/n + 1/k); by hand against scipy's t quantile."""
+    """A measured max logit hits within value -+ t(df) sqrt(sd^2/n + s^2/k) on log10: sd the spread of the n
+    seeds' fits at the target, s the pooled spread of seeds within one size, k the runs measured, df the
+    smaller of n - 1 and s's; by hand against scipy."""
     from scipy import stats as scipy_stats
 
-    from qklab.report.predictions import logit_hit_interval
-    from qklab.study.sensitivity import trend
+    from qklab.report.predictions import _predict, logit_hit_interval
+    from qklab.study.sensitivity import within_spread
 
-    # three seeds' log-log fits at sizes 10, 100, 1000: log10 y = 1 + x (seed 0), 1 + 1.1 x, 1 + 1.2 x
-    t = trend([10, 100, 1000], [{s: 10 ** (1 + (1 + 0.1 * s) * x) for s in range(3)} for x in (1, 2, 3)], log_y=True)
-    n, sd = t.spread(1e4)  # at x = 4: 5, 5.4, 5.8: sd 0.4
-    assert n == 3 and sd == pytest.approx(0.4)
-    q = scipy_stats.t.ppf(0.975, 2)
-    value, lo, hi = t.at(1e4)
-    assert math.log10(hi) - 5.4 == pytest.approx(q * 0.4 / math.sqrt(3))  # the mean's interval
-    v = {"value": value, "lo": lo, "hi": hi, "seeds": n, "sd_log10": sd}
+    # three seeds at sizes 10, 100, 1000 (x = 1, 2, 3): log10 y = 1 + (1 + 0.1 s) x + e, e = +-0.05 by size
+    noise = {1: 0.05, 2: -0.05, 3: 0.05}
+    vals = [{s: 10 ** (1 + (1 + 0.1 * s) * x + noise[x] * (1 if s != 1 else -1)) for s in range(3)}
+            for x in (1, 2, 3)]
+    # within each size the three log values: 1 + x + e, 1 + 1.1x - e, 1 + 1.2x + e (pooled over the sizes)
+    ss, df = 0.0, 0
+    for x in (1, 2, 3):
+        y = [1 + x + noise[x], 1 + 1.1 * x - noise[x], 1 + 1.2 * x + noise[x]]
+        ss, df = ss + sum((v - sum(y) / 3) ** 2 for v in y), df + 2
+    assert within_spread(vals, log_y=True) == pytest.approx((math.sqrt(ss / df), 6))
+    v = _predict([10, 100, 1000], vals, 1e4, log_y=True)
+    fits = []  # each seed's own least-squares line at x = 4
+    for s in range(3):
+        b, a = np.polyfit([1, 2, 3], [math.log10(vals[k][s]) for k in range(3)], 1)
+        fits.append(a + 4 * b)
+    n, sd, mid = 3, float(np.std(fits, ddof=1)), float(np.mean(fits))
+    assert (v["seeds"], v["sd"], math.log10(v["value"])) == pytest.approx((n, sd, mid))
+    s2 = ss / df
+    for k in (1, 4):
+        v1, v2 = sd * sd / n, s2 / k
+        half = scipy_stats.t.ppf(0.975, min(n - 1, 6)) * math.sqrt(v1 + v2)  # the smaller df: conservative
+        lo, hi = logit_hit_interval(v, k)
+        assert (math.log10(lo), math.log10(hi)) == pytest.approx((mid - half, mid + half))
+    assert (v["run_lo"], v["run_hi"]) == pytest.approx(logit_hit_interval(v, 1))
     one = logit_hit_interval(v, 1)
-    assert math.log10(one[1]) - 5.4 == pytest.approx(q * 0.4 * math.sqrt(1 / 3 + 1))
-    assert math.log10(one[0]) - 5.4 == pytest.approx(-q * 0.4 * math.sqrt(1 / 3 + 1))
-    four = logit_hit_interval(v, 4)
-    assert math.log10(four[1]) - 5.4 == pytest.approx(q * 0.4 * math.sqrt(1 / 3 + 1 / 4))
-    # a run just outside the mean's interval but inside one run's: a hit; beyond one run's: a miss
-    x = 10 ** (5.4 + q * 0.4 / math.sqrt(3) * 1.5)
+    # the mean's interval alone is narrower: a run just outside it but inside one run's is a hit
+    assert one[0] < v["lo"] and v["hi"] < one[1]
+    x = math.sqrt(v["hi"] * one[1])
     pred = {"targets": {TARGET: {"max_logit": {"none": v}, "max_logit_order": [], "high_rate_loss_order": [],
                                  "sensitivity_order": []}}}
     got = check(pred, [_result("none", "none", x, 6.0)], TARGET, True)[0]
     assert got.outcome == "hit" and "1 run(s)" in got.why
-    got = check(pred, [_result("none", "none", one[1] * 1.01, 6.0)], TARGET, True)[0]
-    assert got.outcome == "miss"
-    # two runs: their geometric mean is what is read, within the two-run interval
+    assert check(pred, [_result("none", "none", one[1] * 1.01, 6.0)], TARGET, True)[0].outcome == "miss"
+    # two seeds: their geometric mean is read, within the two-run interval
     two = logit_hit_interval(v, 2)
-    pair = [_result("none", "none", two[1] * 0.99 * 10, 6.0), _result("none", "none", two[1] * 0.99 / 10, 6.0)]
+    pair = [{**_result("none", "none", two[1] * 0.99 * 10, 6.0), "seed": 0},
+            {**_result("none", "none", two[1] * 0.99 / 10, 6.0), "seed": 1}]
     got = check(pred, pair, TARGET, True)[0]
-    assert got.outcome == "hit" and "geometric mean of 2" in got.measured
-    # a file written without the spread (scale_1.json) hits within the mean's interval, as registered
-    bare = {"targets": {TARGET: {**pred["targets"][TARGET], "max_logit": {"none": {"value": value, "lo": lo,
-                                                                                    "hi": hi}}}}}
+    assert got.outcome == "hit" and "geometric mean of 2 seeds" in got.measured
+    # a file registered without the spread (scale_1.json) hits within its registered interval
+    bare = {"targets": {TARGET: {**pred["targets"][TARGET], "max_logit": {"none": {
+        "value": v["value"], "lo": v["lo"], "hi": v["hi"]}}}}}
     assert check(bare, [_result("none", "none", x, 6.0)], TARGET, True)[0].outcome == "miss"
+    # too few seeds for an interval: not written, and a file with one anyway reads "not tested", not "miss"
+    assert _predict([10, 100, 1000], [{0: 10.0}, {0: 100.0}, {0: 1000.0}], 1e4, log_y=True) is None
+    nan_file = {"targets": {TARGET: {**pred["targets"][TARGET], "max_logit": {"none": {**v, "seeds": 1}}}}}
+    assert check(nan_file, [_result("none", "none", v["value"], 6.0)], TARGET, True)[0].outcome == "not tested"
 
 
-def test_tuned_rate_predictions_against_the_result_files(tmp_path):
-    """The predicted tuned rate at each target, recomputed straight from ladder_english's result files: per
-    seed and width the rate with the lowest selection-split loss, a least-squares line of log10 rate on
-    log10 non-embedding parameters per seed, the mean of the seeds' lines at the target and its t-interval."""
-    import json
-    from collections import defaultdict
-    from pathlib import Path
+def test_what_a_run_measured_reads_losses_as_the_predictions_do():
+    """A blow-up counts as L0 in the measured loss too (so 'none above qknorm' is tested when none blows up),
+    losses above L0 tie at L0, and a method run at several rates is not read (one rate per method)."""
+    from qklab.report.predictions import _measured
 
-    import numpy as np
-    from scipy import stats as scipy_stats
+    l0 = math.log(4096)
 
-    from qklab.report.predictions import TARGETS, make_predictions
-    from qklab.study.analyze import analyze, load_results
+    def cell(method, loss, seed=0, mult=1.0, logit=10.0):
+        return {**_result(method, "none", logit, loss), "seed": seed, "lr_mult": mult,
+                "config": {"model": {"vocab_size": 4096}}}
 
-    root = Path(__file__).resolve().parents[2] / "docs/results/ladder_english"
-    results, studies = load_results([root])
-    pred = make_predictions(analyze(results, studies).groups, "x", "x")
-    best: dict = defaultdict(dict)  # (variant, seed) -> width -> (val loss, lr)
-    size: dict = {}
-    for f in root.glob("*/result.json"):
-        r = json.loads(f.read_text())
-        d, v = r["config"]["model"]["d_model"], r["config"]["model"]["vocab_size"]
-        size[(r["variant"], d)] = r["n_params"] - v * d  # tied embeddings
-        key, got = (r["variant"], r["seed"]), (r["final"]["val_loss"], r["lr"])
-        best[key][d] = min(best[key].get(d, got), got)
-    key_of = {"none": "none", "qknorm": "qknorm", "qkmap": "qkmap", "quack-t1": "quack"}
-    for label, n in TARGETS.items():
-        for variant, m in key_of.items():
-            at = []
-            for seed in (0, 1):
-                ws = sorted(best[(variant, seed)])
-                x = np.log10([size[(variant, w)] for w in ws])
-                y = np.log10([best[(variant, seed)][w][1] for w in ws])
-                b, a = np.polyfit(x, y, 1)
-                at.append(a + b * np.log10(n))
-            half = scipy_stats.t.ppf(0.975, 1) * np.std(at, ddof=1) / np.sqrt(2)
-            want = [10 ** np.mean(at), 10 ** (np.mean(at) - half), 10 ** (np.mean(at) + half)]
-            got = pred["targets"][label]["tuned_rate"][m]
-            assert [got["value"], got["lo"], got["hi"]] == pytest.approx(want, rel=1e-9), (label, m)
+    got = _measured([cell("none", "inf"), cell("qknorm", 5.0), cell("qkmap", 12.0), cell("quest", 9.0, logit="nan")])
+    assert got["none"]["report_loss"] == l0 and got["qkmap"]["report_loss"] == l0 and got["quest"] == {
+        "report_loss": l0}
+    pred = {"targets": {TARGET: {"max_logit": {}, "max_logit_order": [], "sensitivity_order": [],
+                                 "high_rate_loss_order": [{"upper": "none", "lower": "qknorm", "relation": "above"}]}}}
+    c = {x.id.split(" @ ")[0]: x for x in check(pred, [cell("none", "inf"), cell("qknorm", 5.0)], TARGET, True)}
+    assert c["high_rate_loss_order"].outcome == "hit"
+    # several rates of one method: not read; several seeds at one rate: counted as seeds
+    got = _measured([cell("none", 5.0, 0, 0.25, 10.0), cell("none", 5.0, 0, 1.0, 100.0), cell("qknorm", 5.0, 0),
+                     cell("qknorm", 5.0, 1, logit=1000.0)])
+    assert got["none"] == {"rates": 2}
+    assert got["qknorm"]["runs"] == 2 and got["qknorm"]["max_logit"] == pytest.approx(100.0)
+    pred = {"targets": {TARGET: {"max_logit": {"none": {"value": 10.0, "lo": 5.0, "hi": 20.0}},
+                                 "max_logit_order": [], "high_rate_loss_order": [], "sensitivity_order": []}}}
+    c = check(pred, [cell("none", 5.0, 0, 0.25, 10.0), cell("none", 5.0, 0, 1.0, 100.0)], TARGET, True)[0]
+    assert c.outcome == "not tested" and "2 rates" in c.why

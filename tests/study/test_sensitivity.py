@@ -10,7 +10,15 @@ from scipy import stats as scipy_stats
 
 from qklab.study.analyze import Group, RateOutcome
 from qklab.study.catalogue import CATALOGUE
-from qklab.study.sensitivity import group_sensitivity, group_size, lr_sensitivity, non_embedding, slope, trend
+from qklab.study.sensitivity import (
+    grid_final,
+    group_sensitivity,
+    group_size,
+    lr_sensitivity,
+    non_embedding,
+    slope,
+    trend,
+)
 
 L0 = math.log(4096)
 
@@ -100,6 +108,13 @@ def test_a_seed_counts_only_where_it_finished_every_registered_rate():
     assert _measure("scale.control_logit_rate", [wider if x.variant == "none" and x.d_model == 64 else x
                                                   for x in _planted()]).verdict == "not measurable"
     assert group_sensitivity(replace(g, grid=(1.0, 2.0))) == group_sensitivity(g)
+    # the positive control's width slope reads the highest registered rate every width shares: while one width
+    # has not run it, not measurable (not a lower rate that every width happens to have run so far)
+    short = replace(g, grid=(1.0, 2.0), sweep={1.0: g.sweep[1.0]})
+    gs = [replace(x, grid=(1.0, 2.0)) for x in _planted()]
+    assert "rate 0.002" in _measure("scale.control_logit_width", gs).measured
+    gs = [short if x.variant == "none" and x.d_model == 64 else x for x in gs]
+    assert _measure("scale.control_logit_width", gs).verdict == "not measurable"
     # a rate run beside the registered grid (one the study no longer registers) still counts
     assert rate_grid(replace(g, grid=(1.0,))) == [1.0, 2.0]
     # the registered grid: the variant's own lr_mults_for entry, else lr_mults; none recorded: ()
@@ -180,3 +195,26 @@ def test_scale_tables_by_hand():
     none = dict(zip(head, body[0], strict=True))
     assert none["tuned rate (log-log)"].startswith("+0.000")  # 1e-3 at every width
     assert none["sizes (non-embedding parameters)"] == "0.1M, 1M, 10M"
+
+
+def test_the_registered_design_is_read_with_its_own_rate_grid():
+    """ladder_english's grid was amended from x0.5-x4 to x0.25-x8: read under its registered design, its cells
+    of that design give LR sensitivity over the four registered rates (the amended grid's added rates never
+    ran there, and would leave every seed out)."""
+    from pathlib import Path
+
+    from qklab.report.render import registered_groups
+    from qklab.study.analyze import analyze, load_results
+    from qklab.study.sensitivity import rate_grid
+
+    root = Path(__file__).resolve().parents[2] / "docs/results/ladder_english"
+    results, studies = load_results([root])
+    first = registered_groups(results, studies)
+    assert first, "ladder_english's design was amended"
+    for g in first:
+        assert rate_grid(g) == [0.5, 1.0, 2.0, 4.0], g.variant
+        grid = grid_final(g)
+        l0 = math.log(4096)
+        want = {s: lr_sensitivity([grid[m][s] for m in (0.5, 1.0, 2.0, 4.0)], l0) for s in (0, 1)}
+        assert group_sensitivity(g) == pytest.approx(want), g.variant
+    assert all(rate_grid(g) == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0] for g in analyze(results, studies).groups)

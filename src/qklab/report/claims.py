@@ -2,9 +2,9 @@
 (``study.measures``), with a verdict and its reason by the rule in VERDICT_RULE (the one statement of it;
 the report prints it). Beside the verdict, each paired claim carries its
 statistics (n, df, mean difference, t-interval, bootstrap interval, effect size mean / sd, the t and the
-exact sign-flip p-values, and the sign-flip p-value adjusted across its family by Holm and by
-Benjamini-Hochberg), and the verdict of the rule used before (the whole 95% t-interval on one side) for
-comparison.
+exact sign-flip p-values, and the p-value of its registered test (sign-flip, or the t-test for a claim
+registered with test = "t") adjusted across its family by Holm and by Benjamini-Hochberg), and the
+verdict of the rule used before (the whole 95% t-interval on one side) for comparison.
 """
 
 from __future__ import annotations
@@ -165,7 +165,8 @@ def claims_table(groups: list[Group], studies: dict[str, dict] | None = None,
                  registered_groups: list[Group] | None = None) -> list[ClaimRow]:
     """One row per claim: verdict and reason by VERDICT_RULE, the old rule's verdict (verdict_old), and the
     statistics of a paired claim (stats: None for the others) with its family's Holm and BH adjustments
-    of the sign-flip p-value (p_holm, q_bh), the result files it read (cells), its status (confirmatory:
+    of its registered test's p-value (p_holm, q_bh: sign-flip, or the t-test's under test = "t"), the
+    result files it read (cells), its status (confirmatory:
     registered in a study's [claims]; exploratory) and, for a claim of a study whose plan was amended
     after results, ``amended`` and its verdict under the plan first registered (verdict_registered).
     ``studies`` (name -> study.json, as the report reads them): None reads every claim as registered with

@@ -2,23 +2,26 @@
 committed file whose hash the study's ``study.json`` records, then checked against whatever a larger run
 measures, prediction by prediction: hit, miss, or not tested (with why).
 
-What is predicted, at each target size (non-embedding parameters), for every method the ladder ran:
-* ``max_logit``: the final max attention logit at 4x the method's tuned rate (log-log fit), with the
-  t-interval over seeds of the seeds' own fits (``scale_1.json``, written before, has a bootstrap of each
-  size's seeds, far too narrow: docs/results/predictions/README.md), and the seeds' count and the spread of
-  their fits there (``seeds``, ``sd_log10``), from which a check widens the interval by the measured run's
-  own seed noise (``run_interval``: one run hits within t sd sqrt(1/n + 1), not within the mean's
-  t sd sqrt(1/n)); and the order of the methods by it;
-* ``high_rate_loss``: the order of the methods by their final report loss at 4x their tuned rate (log-linear
-  fits);
-* ``sensitivity``: the order of the methods by LR sensitivity (log-linear fits);
-* ``tuned_rate``: each method's tuned rate (log-log fit; files written before 2026-12-07 lack it), the rate
-  the high-rate predictions are 4x of: a run that checks them at 4x its own tuned rate needs it first.
-An order names every pair of methods "above" only where the two fits' intervals do not overlap, else
-"tied" (``scale_1.json``, written before, names neighbours in the ranking only); a check counts only the
-pairs predicted apart. Every prediction carries the regime of the fits
-(optimizer, corpus, depth, steps): a run in another regime can check only what the prediction says carries
-across regimes (the orders), and a value prediction reads "not tested" there.
+What is predicted, at each target size (non-embedding parameters), for every method the ladder ran, each
+value with its interval and what a check needs to widen it by a new run's own seed noise:
+* ``max_logit``: the final max attention logit at 4x the method's tuned rate (log-log fit); and the order of
+  the methods by it;
+* ``high_rate_loss``: the final report loss at 4x the tuned rate (log-linear fit; a loss capped at L0 =
+  ln(vocab), a blow-up counted as L0, as LR sensitivity reads it), and the order of the methods by it;
+* ``sensitivity``: LR sensitivity (log-linear fit), and the order of the methods by it.
+Each value: ``value``, the mean of the seeds' own fits at the target; ``lo``, ``hi``, its t-interval over
+seeds; ``seeds``, ``sd``, the spread of the seeds' fits there; ``run_sd``, ``run_df``, the spread of seeds
+within one size (``within_spread``); ``run_lo``, ``run_hi``, where one new run should fall if the fit held
+(``run_interval``: t sqrt(sd^2/n + run_sd^2/k) for k runs, t at the smaller df of the two). A measured max
+logit hits within that interval for the seeds it has (their geometric mean). A value whose interval is not
+finite (fewer than three sizes, one seed, no size with two seeds) is not written. An order names every pair of
+methods "above" only where the two methods' one-run intervals do not overlap, so that one run of each can test
+it, else "tied"; a check counts only the pairs predicted apart. ``scale_1.json``, written before (schema 1),
+has a bootstrap of each size's seeds for its intervals (far too narrow: docs/results/predictions/README.md),
+no seed spread, and orders over neighbours in the ranking only: it is checked as it was written. Every
+prediction carries the regime of the fits (optimizer, corpus, depth, steps): a run in another regime can check
+only what the prediction says carries across regimes (the orders), and a value prediction reads "not tested"
+there.
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ from typing import Any
 
 from qklab.report.scale import MethodScale, method_scales
 from qklab.study.analyze import Group
-from qklab.study.sensitivity import Trend, grid_final, run_interval, trend
+from qklab.study.result import num
+from qklab.study.sensitivity import fit_scale, grid_final, run_interval, trend, within_spread
 
 GPU_RESULTS = Path("docs/results/gpu_payload")  # where a GPU run's payload results are committed
 HIGH = 4.0  # the high rate: this multiple of each method's tuned rate
+MIN_SIZES = 3  # a fit needs three sizes
 TARGETS = {"38M (gpu_payload: width 512, 12 layers)": 12 * 12 * 512 ** 2,
            "124M (GPT-2 small: width 768, 12 layers; 85M non-embedding)": 12 * 12 * 768 ** 2}
 
@@ -56,10 +61,25 @@ def method_key(method: str | None, controller: str | None) -> str:
     return controller if controller and controller != "none" else (method or "none")
 
 
-def _interval(t: Trend | None, size: float) -> list[float] | None:
-    if t is None or not math.isfinite(t.slope):
+def _predict(sizes: list[float], vals: list[dict[int, float]], size: float, log_y: bool,
+             floor: float | None = None) -> dict[str, Any] | None:
+    """One value predicted at ``size`` from per-size seed -> value maps (module docstring), or None where
+    its intervals are not finite; ``floor``: the least the quantity can be (0 for LR sensitivity), which
+    the value and its intervals are raised to."""
+    if len(sizes) < MIN_SIZES:
         return None
-    return list(t.at(size))
+    t = trend(sizes, vals, log_y=log_y)
+    value, lo, hi = t.at(size)
+    n, sd = t.spread(size)
+    run_sd, run_df = within_spread(vals, log_y)
+    run_lo, run_hi = run_interval(fit_scale(log_y)(value), n, sd, run_sd, run_df, 1, log_y)
+    if not all(math.isfinite(x) for x in (value, lo, hi, run_lo, run_hi)):
+        return None
+    out = {"value": value, "lo": lo, "hi": hi, "seeds": n, "sd": sd, "run_sd": run_sd, "run_df": run_df,
+           "run_lo": run_lo, "run_hi": run_hi, "scale": "log10" if log_y else "linear"}
+    if floor is not None:
+        out |= {k: max(out[k], floor) for k in ("value", "lo", "hi", "run_lo", "run_hi")}
+    return out
 
 
 def _high_rate(r: MethodScale, groups: dict[tuple, dict], key: str) -> tuple[list[float], list[dict[int, float]]]:
@@ -70,7 +90,7 @@ def _high_rate(r: MethodScale, groups: dict[tuple, dict], key: str) -> tuple[lis
     for w, size in zip(r.widths, r.sizes, strict=True):
         g = groups[(r.study, r.variant, w)]
         m = g.chosen * HIGH if g.chosen is not None else None
-        if m in g.sweep:
+        if m in g.sweep and m in grid_final(g, key):  # (every cell at that rate failed: not in the grid)
             sizes.append(size)
             got = grid_final(g, key)[m]
             if key == "report_loss" and g.vocab_size:
@@ -81,10 +101,10 @@ def _high_rate(r: MethodScale, groups: dict[tuple, dict], key: str) -> tuple[lis
 
 
 def _order(values: dict[str, list[float]]) -> list[dict[str, Any]]:
-    """Every pair of methods, ranked from the highest predicted value down (method -> [value, lo, hi]): "above"
-    when the upper one's interval lies wholly above the lower one's, else "tied". Every pair, not only
-    neighbours in the ranking: a chain of overlapping neighbours can hold two methods far apart (``scale_1.json``,
-    written before, lists neighbours only)."""
+    """Every pair of methods, ranked from the highest predicted value down (method -> [value, lo, hi], the
+    one-run interval): "above" when the upper one's interval lies wholly above the lower one's, else "tied".
+    Every pair, not only neighbours in the ranking: a chain of overlapping neighbours can hold two methods far
+    apart (``scale_1.json``, written before, lists neighbours only)."""
     ranked = sorted(values, key=lambda k: -values[k][0])
     return [{"upper": a, "lower": b, "relation": "above" if values[a][1] > values[b][2] else "tied"}
             for i, a in enumerate(ranked) for b in ranked[i + 1:]]
@@ -111,33 +131,24 @@ def make_predictions(groups: list[Group], regime: str, source: str) -> dict[str,
     """The predictions file's content from the analysed groups of one width ladder (``analyze``)."""
     rows = method_scales(groups)
     by_key = {(g.study, g.variant, int(g.d_model)): g for g in groups if g.d_model}
-    out: dict[str, Any] = {"schema": 1, "source": source, "regime": regime, "high_rate": HIGH, "targets": {},
-                           "note": "intervals: t-interval over seeds of each seed's own fit, which is not an "
-                                   "interval over how far the fitted law holds beyond the sizes it was fitted on"}
+    out: dict[str, Any] = {"schema": 2, "source": source, "regime": regime, "high_rate": HIGH, "targets": {},
+                           "note": "intervals: over seeds of each seed's own fit (and, run_lo/run_hi, a new "
+                                   "run's seed noise), not over how far the fitted law holds beyond the sizes "
+                                   "it was fitted on"}
     for label, size in TARGETS.items():
-        logit, loss, sens, spread, tuned = {}, {}, {}, {}, {}
+        got: dict[str, dict[str, dict[str, Any]]] = {"max_logit": {}, "high_rate_loss": {}, "sensitivity": {}}
         for r in rows:
-            m = method_key(by_key[(r.study, r.variant, r.widths[0])].method,
-                           by_key[(r.study, r.variant, r.widths[0])].controller)
-            sizes, vals = _high_rate(r, by_key, "max_logit")
-            tl = trend(sizes, vals, log_y=True) if len(sizes) >= 3 else None
-            if (iv := _interval(tl, size)) is not None:
-                logit[m] = iv
-                spread[m] = tl.spread(size)
-            sizes, vals = _high_rate(r, by_key, "report_loss")
-            if (iv := _interval(trend(sizes, vals) if len(sizes) >= 3 else None, size)) is not None:
-                loss[m] = iv
-            if (iv := _interval(r.sensitivity_trend(), size)) is not None:
-                sens[m] = [max(x, 0.0) for x in iv]  # it cannot fall below 0: a fit that does reads as 0
-            if (iv := _interval(r.tuned_trend(), size)) is not None:
-                tuned[m] = iv
-        out["targets"][label] = {
-            "non_embedding_parameters": size,
-            "max_logit": {m: {"value": v[0], "lo": v[1], "hi": v[2], "seeds": spread[m][0],
-                              "sd_log10": spread[m][1]} for m, v in logit.items()},
-            "max_logit_order": _order(logit), "high_rate_loss_order": _order(loss), "sensitivity_order": _order(sens),
-            "sensitivity": {m: {"value": v[0], "lo": v[1], "hi": v[2]} for m, v in sens.items()},
-            "tuned_rate": {m: {"value": v[0], "lo": v[1], "hi": v[2]} for m, v in tuned.items()}}
+            g0 = by_key[(r.study, r.variant, r.widths[0])]
+            m = method_key(g0.method, g0.controller)
+            for key, what, log_y, floor in (("max_logit", "max_logit", True, None),
+                                            ("high_rate_loss", "report_loss", False, None)):
+                if (p := _predict(*_high_rate(r, by_key, what), size, log_y, floor)) is not None:
+                    got[key][m] = p
+            if (p := _predict(r.sizes, r.sensitivity, size, False, 0.0)) is not None:
+                got["sensitivity"][m] = p  # it cannot fall below 0: a fit that does reads as 0
+        out["targets"][label] = {"non_embedding_parameters": size, **got, **{
+            f"{key}_order": _order({m: [v["value"], v["run_lo"], v["run_hi"]] for m, v in got[key].items()})
+            for key in got}}
     return out
 
 
@@ -150,34 +161,45 @@ def write_predictions(pred: dict[str, Any], path: Path) -> str:
 
 
 def _measured(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """method -> {max_logit, report_loss} of a run's finished cells (the mean over its seeds; the mean of
-    log10 for the max logit, the scale it is predicted on) and {"runs": how many seeds the logit's mean has}."""
-    acc: dict[str, dict[str, list[float]]] = {}
+    """method -> what a run measured at its one rate: ``max_logit``, the geometric mean over its seeds (the
+    scale it is predicted on), with ``runs`` the seeds in it; ``report_loss``, the mean over seeds, each capped
+    at L0 = ln(vocab) and a non-finite one counted as L0 (as the predictions read losses). A method whose cells
+    ran at several rate multiples gets ``{"rates": n}`` alone: a check reads one rate per method."""
+    by: dict[str, dict[float, dict[int, dict[str, Any]]]] = {}
     for r in results:
-        if r.get("status") == "failed":
-            continue
-        f = r.get("final") or {}
-        m = acc.setdefault(method_key(r.get("method"), r.get("controller")), {"max_logit": [], "report_loss": []})
-        for k in m:
-            v = f.get(k)
-            if isinstance(v, int | float) and math.isfinite(v):
-                m[k].append(float(v))
+        if r.get("status") != "failed":
+            m = method_key(r.get("method"), r.get("controller"))
+            by.setdefault(m, {}).setdefault(float(r.get("lr_mult", 1.0)), {})[int(r.get("seed", 0))] = r
     out: dict[str, dict[str, float]] = {}
-    for m, d in acc.items():
-        out[m] = {"report_loss": sum(d["report_loss"]) / len(d["report_loss"])} if d["report_loss"] else {}
-        logs = [math.log10(v) for v in d["max_logit"] if v > 0]
+    for m, rates in by.items():
+        if len(rates) > 1:
+            out[m] = {"rates": len(rates)}
+            continue
+        logs, losses = [], []
+        for r in next(iter(rates.values())).values():
+            f = r.get("final") or {}
+            if math.isfinite(x := num(f.get("max_logit"))) and x > 0:
+                logs.append(math.log10(x))
+            vocab = ((r.get("config") or {}).get("model") or {}).get("vocab_size")
+            loss = num(f.get("report_loss"))
+            if vocab:
+                losses.append(min(loss, math.log(vocab)) if math.isfinite(loss) else math.log(vocab))
+            elif math.isfinite(loss):
+                losses.append(loss)
+        out[m] = {"report_loss": sum(losses) / len(losses)} if losses else {}
         if logs:
             out[m] |= {"max_logit": 10 ** (sum(logs) / len(logs)), "runs": len(logs)}
     return out
 
 
 def logit_hit_interval(v: dict[str, float], runs: int) -> tuple[float, float]:
-    """Where a run's max logit (the geometric mean of ``runs`` seeds) hits a prediction: the interval of the
-    fit's mean widened by the new seeds' own spread (``run_interval``), where the file gives the seeds' spread;
-    a file written without it (``scale_1.json``) gives only the interval of the mean."""
-    if "sd_log10" not in v:
+    """Where a run's max logit (the geometric mean of ``runs`` seeds) hits a prediction: ``run_interval`` for
+    that many runs, where the file gives the seeds' spread (schema 2); ``scale_1.json`` gives only the
+    interval it registered. (NaN, NaN) where it cannot be had."""
+    if "run_sd" not in v:
         return v["lo"], v["hi"]
-    return run_interval(math.log10(v["value"]), int(v["seeds"]), v["sd_log10"], runs, log_y=True)
+    return run_interval(math.log10(v["value"]), int(v["seeds"]), v["sd"], v["run_sd"], int(v["run_df"]), runs,
+                        log_y=True)
 
 
 def _check_order(pid: str, order: list[dict], measured: dict[str, dict[str, float]], key: str) -> Check:
@@ -204,23 +226,27 @@ def check(pred: dict[str, Any], results: list[dict[str, Any]], target: str, same
         shown = f"{v['value']:.3g} [{v['lo']:.3g}, {v['hi']:.3g}]"
         if not same_regime:
             out.append(Check(pid, "not tested", shown, "-", "the run is in another regime than the fits"))
+        elif "rates" in measured.get(m, {}):
+            out.append(Check(pid, "not tested", shown, "-", f"{m} ran at {measured[m]['rates']} rates; a check "
+                                                            "reads one rate per method"))
         elif "max_logit" not in measured.get(m, {}):
             out.append(Check(pid, "not tested", shown, "-", f"no finished {m} cell"))
         else:
             x, runs = measured[m]["max_logit"], int(measured[m]["runs"])
             lo, hi = logit_hit_interval(v, runs)
-            why = (f"hit interval for {runs} run(s), the seeds' own spread added: [{lo:.3g}, {hi:.3g}]"
-                   if "sd_log10" in v else "the interval of the mean: the file gives no seed spread")
-            out.append(Check(pid, "hit" if lo <= x <= hi else "miss", shown,
-                             f"{x:.4g}" + (f" (geometric mean of {runs})" if runs > 1 else ""), why))
+            got = f"{x:.4g}" + (f" (geometric mean of {runs} seeds)" if runs > 1 else "")
+            if not (math.isfinite(lo) and math.isfinite(hi)) or hi <= lo:
+                out.append(Check(pid, "not tested", shown, got, "no hit interval: the file gives too few seeds"))
+                continue
+            why = (f"hit interval for {runs} run(s), their own seed noise added: [{lo:.3g}, {hi:.3g}]"
+                   if "run_sd" in v else "the interval as registered: the file gives no seed spread")
+            out.append(Check(pid, "hit" if lo <= x <= hi else "miss", shown, got, why))
     orders = [_check_order(f"max_logit_order @ {target}", t["max_logit_order"], measured, "max_logit"),
               _check_order(f"high_rate_loss_order @ {target}", t["high_rate_loss_order"], measured, "report_loss")]
     if not same_regime:  # e.g. one shared rate for every method, where the prediction is at 4x each one's own
         orders = [replace(c, why=f"{c.why}; another regime: an observation beside the prediction, not its test")
                   for c in orders]
     out += orders
-    out += [Check(f"tuned_rate {m} @ {target}", "not tested", f"{v['value']:.3g} [{v['lo']:.3g}, {v['hi']:.3g}]",
-                  "-", "a tuned rate needs each method on a rate grid") for m, v in t.get("tuned_rate", {}).items()]
     out.append(Check(f"sensitivity_order @ {target}", "not tested", order_text(t["sensitivity_order"]), "-",
                      "LR sensitivity needs each method on a rate grid"))
     return out

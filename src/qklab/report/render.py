@@ -38,6 +38,7 @@ from qklab.report.tables import (
     throughput_table,
 )
 from qklab.study.analyze import Analysis, Group, analyze, load_results
+from qklab.study.plan import registered_design
 from qklab.study.result import DIVERGENCE_RULE, OUTCOME_RULE, write_json_atomic
 
 IN_PROGRESS = "in progress"
@@ -128,7 +129,9 @@ def registered_groups(results: list[dict], studies: dict[str, dict]) -> list[Gro
     first = registered_results(results, studies)
     if first is None:
         return None
-    return analyze(first, studies).groups
+    # read against each study's registered design too: its rate grid (LR sensitivity counts a seed only where
+    # it finished every registered rate, and the amended grid's added rates never ran in the first design)
+    return analyze(first, {name: {**s, **registered_design(s)} for name, s in studies.items()}).groups
 
 
 def _load(dirs: list[str | Path], problems: list[str]) -> tuple[list[dict], dict[str, dict]]:

@@ -297,7 +297,8 @@ def _registered_grid(study: dict, variant: str) -> tuple[float, ...]:
     """The rate multiples a study's protocol registered for a variant (its own ``lr_mults_for`` entry, else
     ``lr_mults``); () where the study.json records none."""
     p = study.get("protocol", {})
-    mults = (p.get("lr_mults_for") or {}).get(variant, p.get("lr_mults"))
+    own = p.get("lr_mults_for") or {}
+    mults = own[variant] if own.get(variant) else p.get("lr_mults")
     return tuple(sorted(float(m) for m in mults)) if mults else ()
 
 

@@ -77,18 +77,26 @@ def logit_by_rate() -> Callable:
     return test
 
 
+def _registered_rates(g: Group) -> dict[float, dict[int, float]]:
+    """absolute rate (rounded to 12 digits) -> seed -> final max logit, over the group's whole rate grid
+    (``rate_grid``: registered or run); a rate not yet run has no seeds. The rates of the grid's multiples
+    follow from any rate run (rate = anchor x multiple), so the rate every width shares does not drift while
+    a study runs."""
+    anchor = next((s.lr / m for m, s in g.sweep.items() if math.isfinite(s.lr)), math.nan)
+    return {round(anchor * m, 12): dict(g.sweep[m].max_logit_by_seed) if m in g.sweep else {} for m in rate_grid(g)}
+
+
 def logit_by_width() -> Callable:
     """Positive control (a): `none`'s max logit grows with width, at the highest rate every width ran."""
     def test(groups: list[Group], p: dict) -> Measured:
         study, by_w = _ladder(groups, REFERENCE)
         if len(by_w) < 2:
             return not_measurable("needs `none` at two or more widths in one study")
-        shared = set.intersection(*({round(s.lr, 12) for s in g.sweep.values()} for g in by_w.values()))
+        shared = set.intersection(*(set(_registered_rates(g)) for g in by_w.values()))
         if not shared:
             return not_measurable("no rate that every width ran")
         lr = max(shared)
-        at = {w: next(s for s in g.sweep.values() if round(s.lr, 12) == lr).max_logit_by_seed
-              for w, g in by_w.items()}
+        at = {w: _registered_rates(g)[lr] for w, g in by_w.items()}
         seeds = set.intersection(*(set(m) for m in at.values()))
         xs = [math.log10(group_size(by_w[w])) for w in sorted(by_w)]
         values = {s: slope(xs, [math.log10(at[w][s]) if at[w][s] > 0 else math.nan for w in sorted(by_w)])

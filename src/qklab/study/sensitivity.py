@@ -159,15 +159,34 @@ class Trend:
         return d.n, d.std
 
 
-def run_interval(mid: float, n: int, sd: float, runs: int = 1, log_y: bool = False,
+def within_spread(values: Sequence[Mapping[int, float]], log_y: bool = False) -> tuple[float, int]:
+    """(pooled sample std, its degrees of freedom) of the seeds' values within each size (one seed -> value
+    map per size), on the fit's scale: how far one run lies from another of the same size, the seed noise a
+    single new run carries, pooled over the sizes with two seeds or more. (NaN, 0) where none has two."""
+    tf = fit_scale(log_y)
+    ss, df = 0.0, 0
+    for m in values:
+        x = [y for y in (tf(v) for v in m.values()) if math.isfinite(y)]
+        if len(x) >= 2:
+            mu = sum(x) / len(x)
+            ss, df = ss + sum((y - mu) ** 2 for y in x), df + len(x) - 1
+    return (math.sqrt(ss / df), df) if df else (float("nan"), 0)
+
+
+def run_interval(mid: float, n: int, sd: float, run_sd: float, run_df: int, runs: int = 1, log_y: bool = False,
                  confidence: float = 0.95) -> tuple[float, float]:
-    """Where the mean of ``runs`` new seeds' values should fall if a fit held at that size: ``mid`` (on the fit's
-    scale) -+ t(n - 1) sd sqrt(1/n + 1/runs), n seeds' fits with sample std ``sd`` there. The interval of the
-    mean alone (``Trend.at``) leaves out the new runs' own seed-to-seed spread; one new run has sd on top.
-    (NaN, NaN) below two seeds."""
-    if n < 2 or not math.isfinite(sd):
+    """Where the mean of ``runs`` new seeds' values at a size should fall if the fitted law held there: ``mid``
+    (the mean of n seeds' fits there, on the fit's scale) -+ t(df) sqrt(sd^2 / n + run_sd^2 / runs). The first
+    part is the uncertainty of the mean fit (``sd``: the spread of the seeds' fits at that size, which carries
+    the extrapolation's leverage); the second the new runs' own seed noise (``run_sd``: ``within_spread``, with
+    ``run_df`` degrees of freedom), which the interval of the mean alone (``Trend.at``) leaves out; df the
+    smaller of the two parts' (conservative: Welch-Satterthwaite's df can make it narrower than the interval of
+    the mean alone). (NaN, NaN) where a part is unknown or both are zero."""
+    v1, v2 = (sd * sd / n if n >= 2 else math.nan), (run_sd * run_sd / runs if runs >= 1 and run_df >= 1 else math.nan)
+    if not (math.isfinite(v1) and math.isfinite(v2)) or v1 + v2 <= 0:
         return float("nan"), float("nan")
-    half = float(scipy_t.ppf(0.5 + confidence / 2, n - 1)) * sd * math.sqrt(1 / n + 1 / runs)
+    df = min(n - 1, run_df)
+    half = float(scipy_t.ppf(0.5 + confidence / 2, df)) * math.sqrt(v1 + v2)
     lo, hi = mid - half, mid + half
     return (10 ** lo, 10 ** hi) if log_y else (lo, hi)
 
