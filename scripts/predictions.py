@@ -70,24 +70,26 @@ def _check(a) -> int:
 
 
 def _plant(a) -> int:
-    """Minimal result files for the first target: every method at its predicted max logit, except the
-    first method, planted ten times above where one run hits; report losses in the predicted high-rate order."""
+    """Minimal result files for the first target: every method at its predicted max logit, except the one
+    predicted highest, planted ten times above where one run hits (so no order breaks); report losses in the
+    predicted high-rate order."""
     pred = json.loads(Path(a.predictions).read_text())
     t = pred["targets"][next(iter(TARGETS))]
     ranked = ranking(t["high_rate_loss_order"])
     loss = {m: 6.0 - 0.1 * i for i, m in enumerate(ranked)}
     out = Path(a.out)
-    for i, (m, v) in enumerate(sorted(t["max_logit"].items())):
+    top = max(t["max_logit"], key=lambda m: t["max_logit"][m]["value"])  # above it, it breaks no order
+    for m, v in sorted(t["max_logit"].items()):
         method, controller = ("none", m) if m in ("quack", "qkclip", "qk_lr_multiplier") else (m, "none")
-        final = {"max_logit": logit_hit_interval(v, 1)[1] * 10 if i == 0 else v["value"],
+        final = {"max_logit": logit_hit_interval(v, 1)[1] * 10 if m == top else v["value"],
                  "report_loss": loss.get(m, 5.0)}
         cell = f"planted-{m}_s0"
         (out / cell).mkdir(parents=True, exist_ok=True)
         (out / cell / "result.json").write_text(json.dumps(
             {"schema": 1, "study": "planted", "cell": cell, "variant": m, "seed": 0, "lr_mult": 1.0, "status": "ok",
              "diverged": False, "method": method, "controller": controller, "final": final, "point": {}}))
-    print(f"planted {len(t['max_logit'])} result files in {out}: {sorted(t['max_logit'])[0]} ten times above its "
-          "interval (a miss), the rest at their predicted values (hits)")
+    print(f"planted {len(t['max_logit'])} result files in {out}: {top} (the highest predicted max logit) ten times "
+          "above where one run hits (a miss), the rest at their predicted values (hits)")
     return 0
 
 

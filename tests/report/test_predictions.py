@@ -140,21 +140,22 @@ def test_a_blow_up_at_the_high_rate_counts_as_l0_in_the_loss_fits():
 
 def test_a_run_hits_within_the_fit_widened_by_its_own_seed_noise():
     """A measured max logit hits within value -+ t(df) sqrt(sd^2/n + s^2/k) on log10: sd the spread of the n
-    seeds' fits at the target, s the pooled spread of seeds within one size, k the runs measured, df the
-    smaller of n - 1 and s's; by hand against scipy."""
+    seeds' fits at the target, s the pooled spread of seeds within one size, k the runs measured, df by
+    Welch-Satterthwaite, never narrower than the mean's own interval; by hand against scipy."""
     from scipy import stats as scipy_stats
 
     from qklab.report.predictions import _predict, logit_hit_interval
-    from qklab.study.sensitivity import within_spread
+    from qklab.study.sensitivity import run_interval, within_spread
 
-    # three seeds at sizes 10, 100, 1000 (x = 1, 2, 3): log10 y = 1 + (1 + 0.1 s) x + e, e = +-0.05 by size
-    noise = {1: 0.05, 2: -0.05, 3: 0.05}
-    vals = [{s: 10 ** (1 + (1 + 0.1 * s) * x + noise[x] * (1 if s != 1 else -1)) for s in range(3)}
+    # three seeds at sizes 10, 100, 1000 (x = 1, 2, 3): log10 y = 1 + (1 + 0.02 s) x + e, e = +-0.2 by size
+    # and seed: seed noise well above the spread of the seeds' slopes
+    noise = {1: 0.2, 2: -0.2, 3: 0.2}
+    vals = [{s: 10 ** (1 + (1 + 0.02 * s) * x + noise[x] * (1 if s != 1 else -1)) for s in range(3)}
             for x in (1, 2, 3)]
-    # within each size the three log values: 1 + x + e, 1 + 1.1x - e, 1 + 1.2x + e (pooled over the sizes)
+    # within each size the three log values: 1 + x + e, 1 + 1.02x - e, 1 + 1.04x + e (pooled over the sizes)
     ss, df = 0.0, 0
     for x in (1, 2, 3):
-        y = [1 + x + noise[x], 1 + 1.1 * x - noise[x], 1 + 1.2 * x + noise[x]]
+        y = [1 + x + noise[x], 1 + 1.02 * x - noise[x], 1 + 1.04 * x + noise[x]]
         ss, df = ss + sum((v - sum(y) / 3) ** 2 for v in y), df + 2
     assert within_spread(vals, log_y=True) == pytest.approx((math.sqrt(ss / df), 6))
     v = _predict([10, 100, 1000], vals, 1e4, log_y=True)
@@ -167,7 +168,9 @@ def test_a_run_hits_within_the_fit_widened_by_its_own_seed_noise():
     s2 = ss / df
     for k in (1, 4):
         v1, v2 = sd * sd / n, s2 / k
-        half = scipy_stats.t.ppf(0.975, min(n - 1, 6)) * math.sqrt(v1 + v2)  # the smaller df: conservative
+        dfw = (v1 + v2) ** 2 / (v1 ** 2 / (n - 1) + v2 ** 2 / 6)  # Welch-Satterthwaite
+        half = max(scipy_stats.t.ppf(0.975, dfw) * math.sqrt(v1 + v2),  # never below the mean's own half-width
+                   scipy_stats.t.ppf(0.975, n - 1) * math.sqrt(v1))
         lo, hi = logit_hit_interval(v, k)
         assert (math.log10(lo), math.log10(hi)) == pytest.approx((mid - half, mid + half))
     assert (v["run_lo"], v["run_hi"]) == pytest.approx(logit_hit_interval(v, 1))
@@ -190,8 +193,15 @@ def test_a_run_hits_within_the_fit_widened_by_its_own_seed_noise():
     bare = {"targets": {TARGET: {**pred["targets"][TARGET], "max_logit": {"none": {
         "value": v["value"], "lo": v["lo"], "hi": v["hi"]}}}}}
     assert check(bare, [_result("none", "none", x, 6.0)], TARGET, True)[0].outcome == "miss"
+    # the half-width never falls below the mean's: seed noise far below the fits' spread leaves the mean's
+    lo, hi = run_interval(0.0, 3, 1.0, 1e-6, 100, 1)
+    assert hi == pytest.approx(scipy_stats.t.ppf(0.975, 2) / math.sqrt(3)) and lo == -hi
+    assert run_interval(2.0, 3, 0.0, 0.0, 6) == (2.0, 2.0)  # every seed alike at every size: zero width
     # too few seeds for an interval: not written, and a file with one anyway reads "not tested", not "miss"
     assert _predict([10, 100, 1000], [{0: 10.0}, {0: 100.0}, {0: 1000.0}], 1e4, log_y=True) is None
+    # a bounded quantity (a loss at most L0) is held within its bounds, value and intervals alike
+    capped = _predict([10, 100, 1000], vals, 1e4, log_y=False, bounds=(-math.inf, 1e4))
+    assert all(capped[k] <= 1e4 for k in ("value", "lo", "hi", "run_lo", "run_hi")) and capped["run_hi"] == 1e4
     nan_file = {"targets": {TARGET: {**pred["targets"][TARGET], "max_logit": {"none": {**v, "seeds": 1}}}}}
     assert check(nan_file, [_result("none", "none", v["value"], 6.0)], TARGET, True)[0].outcome == "not tested"
 
@@ -218,6 +228,9 @@ def test_what_a_run_measured_reads_losses_as_the_predictions_do():
     got = _measured([cell("none", 5.0, 0, 0.25, 10.0), cell("none", 5.0, 0, 1.0, 100.0), cell("qknorm", 5.0, 0),
                      cell("qknorm", 5.0, 1, logit=1000.0)])
     assert got["none"] == {"rates": 2}
+    # two variants of one method at one rate (quack at two taus, say) are not merged seed by seed either
+    assert _measured([{**cell("quack", 5.0), "variant": "quack-t1"},
+                      {**cell("quack", 6.0), "variant": "quack-t2"}])["quack"] == {"rates": 2}
     assert got["qknorm"]["runs"] == 2 and got["qknorm"]["max_logit"] == pytest.approx(100.0)
     pred = {"targets": {TARGET: {"max_logit": {"none": {"value": 10.0, "lo": 5.0, "hi": 20.0}},
                                  "max_logit_order": [], "high_rate_loss_order": [], "sensitivity_order": []}}}

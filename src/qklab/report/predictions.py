@@ -12,16 +12,16 @@ value with its interval and what a check needs to widen it by a new run's own se
 Each value: ``value``, the mean of the seeds' own fits at the target; ``lo``, ``hi``, its t-interval over
 seeds; ``seeds``, ``sd``, the spread of the seeds' fits there; ``run_sd``, ``run_df``, the spread of seeds
 within one size (``within_spread``); ``run_lo``, ``run_hi``, where one new run should fall if the fit held
-(``run_interval``: t sqrt(sd^2/n + run_sd^2/k) for k runs, t at the smaller df of the two). A measured max
-logit hits within that interval for the seeds it has (their geometric mean). A value whose interval is not
-finite (fewer than three sizes, one seed, no size with two seeds) is not written. An order names every pair of
-methods "above" only where the two methods' one-run intervals do not overlap, so that one run of each can test
-it, else "tied"; a check counts only the pairs predicted apart. ``scale_1.json``, written before (schema 1),
-has a bootstrap of each size's seeds for its intervals (far too narrow: docs/results/predictions/README.md),
-no seed spread, and orders over neighbours in the ranking only: it is checked as it was written. Every
-prediction carries the regime of the fits (optimizer, corpus, depth, steps): a run in another regime can check
-only what the prediction says carries across regimes (the orders), and a value prediction reads "not tested"
-there.
+(``run_interval``: t sqrt(sd^2/n + run_sd^2/k) for k runs, t at Welch-Satterthwaite's df, never narrower than
+the mean's interval). A measured max logit hits within that interval for the seeds it has (their geometric
+mean). A value whose interval is not finite (fewer than three sizes, one seed, no size with two seeds) is not
+written. An order names every pair of methods "above" only where the two methods' one-run intervals do not
+overlap, so that one run of each can test it, else "tied"; a check counts only the pairs predicted apart.
+``scale_1.json``, written before (schema 1), has a bootstrap of each size's seeds for its intervals (far too
+narrow: docs/results/predictions/README.md), no seed spread, and orders over neighbours in the ranking only:
+it is checked as it was written. Every prediction carries the regime of the fits (optimizer, corpus, depth,
+steps): a run in another regime can check only what the prediction says carries across regimes (the orders),
+and a value prediction reads "not tested" there.
 """
 
 from __future__ import annotations
@@ -62,10 +62,11 @@ def method_key(method: str | None, controller: str | None) -> str:
 
 
 def _predict(sizes: list[float], vals: list[dict[int, float]], size: float, log_y: bool,
-             floor: float | None = None) -> dict[str, Any] | None:
+             bounds: tuple[float, float] | None = None) -> dict[str, Any] | None:
     """One value predicted at ``size`` from per-size seed -> value maps (module docstring), or None where
-    its intervals are not finite; ``floor``: the least the quantity can be (0 for LR sensitivity), which
-    the value and its intervals are raised to."""
+    its intervals are not finite; ``bounds``: the least and most the quantity can be (0 and +inf for LR
+    sensitivity, -inf and L0 for a loss), which the value and its intervals are held within (the stored value
+    is then no longer the mean of the fits, where that lay outside)."""
     if len(sizes) < MIN_SIZES:
         return None
     t = trend(sizes, vals, log_y=log_y)
@@ -77,8 +78,8 @@ def _predict(sizes: list[float], vals: list[dict[int, float]], size: float, log_
         return None
     out = {"value": value, "lo": lo, "hi": hi, "seeds": n, "sd": sd, "run_sd": run_sd, "run_df": run_df,
            "run_lo": run_lo, "run_hi": run_hi, "scale": "log10" if log_y else "linear"}
-    if floor is not None:
-        out |= {k: max(out[k], floor) for k in ("value", "lo", "hi", "run_lo", "run_hi")}
+    if bounds is not None:
+        out |= {k: min(max(out[k], bounds[0]), bounds[1]) for k in ("value", "lo", "hi", "run_lo", "run_hi")}
     return out
 
 
@@ -140,11 +141,12 @@ def make_predictions(groups: list[Group], regime: str, source: str) -> dict[str,
         for r in rows:
             g0 = by_key[(r.study, r.variant, r.widths[0])]
             m = method_key(g0.method, g0.controller)
-            for key, what, log_y, floor in (("max_logit", "max_logit", True, None),
-                                            ("high_rate_loss", "report_loss", False, None)):
-                if (p := _predict(*_high_rate(r, by_key, what), size, log_y, floor)) is not None:
+            l0 = math.log(float(g0.vocab_size)) if g0.vocab_size else math.inf
+            for key, what, log_y, bounds in (("max_logit", "max_logit", True, None),
+                                             ("high_rate_loss", "report_loss", False, (-math.inf, l0))):
+                if (p := _predict(*_high_rate(r, by_key, what), size, log_y, bounds)) is not None:
                     got[key][m] = p
-            if (p := _predict(r.sizes, r.sensitivity, size, False, 0.0)) is not None:
+            if (p := _predict(r.sizes, r.sensitivity, size, False, (0.0, math.inf))) is not None:
                 got["sensitivity"][m] = p  # it cannot fall below 0: a fit that does reads as 0
         out["targets"][label] = {"non_embedding_parameters": size, **got, **{
             f"{key}_order": _order({m: [v["value"], v["run_lo"], v["run_hi"]] for m, v in got[key].items()})
@@ -164,15 +166,17 @@ def _measured(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """method -> what a run measured at its one rate: ``max_logit``, the geometric mean over its seeds (the
     scale it is predicted on), with ``runs`` the seeds in it; ``report_loss``, the mean over seeds, each capped
     at L0 = ln(vocab) and a non-finite one counted as L0 (as the predictions read losses). A method whose cells
-    ran at several rate multiples gets ``{"rates": n}`` alone: a check reads one rate per method."""
-    by: dict[str, dict[float, dict[int, dict[str, Any]]]] = {}
+    ran at several rate multiples (or in several variants or grid points) gets ``{"rates": n}`` alone: a check
+    reads one run of each method, over its seeds."""
+    by: dict[str, dict[tuple[str, str, float], dict[int, dict[str, Any]]]] = {}
     for r in results:
         if r.get("status") != "failed":
             m = method_key(r.get("method"), r.get("controller"))
-            by.setdefault(m, {}).setdefault(float(r.get("lr_mult", 1.0)), {})[int(r.get("seed", 0))] = r
+            run = (str(r.get("variant", m)), str(r.get("point", "")), float(r.get("lr_mult", 1.0)))
+            by.setdefault(m, {}).setdefault(run, {})[int(r.get("seed", 0))] = r
     out: dict[str, dict[str, float]] = {}
     for m, rates in by.items():
-        if len(rates) > 1:
+        if len(rates) > 1:  # several rates, variants or grid points of one method: which one is predicted?
             out[m] = {"rates": len(rates)}
             continue
         logs, losses = [], []
@@ -227,8 +231,8 @@ def check(pred: dict[str, Any], results: list[dict[str, Any]], target: str, same
         if not same_regime:
             out.append(Check(pid, "not tested", shown, "-", "the run is in another regime than the fits"))
         elif "rates" in measured.get(m, {}):
-            out.append(Check(pid, "not tested", shown, "-", f"{m} ran at {measured[m]['rates']} rates; a check "
-                                                            "reads one rate per method"))
+            out.append(Check(pid, "not tested", shown, "-", f"{m} ran at {measured[m]['rates']} rates, variants or "
+                                                            "grid points; a check reads one per method"))
         elif "max_logit" not in measured.get(m, {}):
             out.append(Check(pid, "not tested", shown, "-", f"no finished {m} cell"))
         else:

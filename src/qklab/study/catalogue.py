@@ -271,7 +271,7 @@ _CLAIMS = [
     Claim("scale.control_logit_width", SCALE_FAMILY, "scale",
           "positive control: without a QK method the max attention logit grows with width",
           "`none`: slope of log10 final max logit against log10 non-embedding parameters at the highest rate "
-          "every width ran, per seed (> 0)",
+          "of the grid that every width shares, per seed (> 0)",
           logit_by_width(), own=True),
     _slower("QK-Norm", "qknorm", "qknorm", control=True),
     _slower("QK-MAP", "qkmap", "qkmap"),

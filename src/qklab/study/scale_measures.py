@@ -78,7 +78,7 @@ def logit_by_rate() -> Callable:
 
 
 def _registered_rates(g: Group) -> dict[float, dict[int, float]]:
-    """absolute rate (rounded to 12 digits) -> seed -> final max logit, over the group's whole rate grid
+    """absolute rate (rounded to 12 decimal places) -> seed -> final max logit, over the group's whole rate grid
     (``rate_grid``: registered or run); a rate not yet run has no seeds. The rates of the grid's multiples
     follow from any rate run (rate = anchor x multiple), so the rate every width shares does not drift while
     a study runs."""
@@ -87,14 +87,15 @@ def _registered_rates(g: Group) -> dict[float, dict[int, float]]:
 
 
 def logit_by_width() -> Callable:
-    """Positive control (a): `none`'s max logit grows with width, at the highest rate every width ran."""
+    """Positive control (a): `none`'s max logit grows with width, at the highest rate of the grid (registered,
+    or run where none is recorded) that every width shares; not measurable until every width has run it."""
     def test(groups: list[Group], p: dict) -> Measured:
         study, by_w = _ladder(groups, REFERENCE)
         if len(by_w) < 2:
             return not_measurable("needs `none` at two or more widths in one study")
         shared = set.intersection(*(set(_registered_rates(g)) for g in by_w.values()))
         if not shared:
-            return not_measurable("no rate that every width ran")
+            return not_measurable("no rate of the grid that every width shares")
         lr = max(shared)
         at = {w: _registered_rates(g)[lr] for w, g in by_w.items()}
         seeds = set.intersection(*(set(m) for m in at.values()))

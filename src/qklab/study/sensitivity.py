@@ -179,14 +179,19 @@ def run_interval(mid: float, n: int, sd: float, run_sd: float, run_df: int, runs
     (the mean of n seeds' fits there, on the fit's scale) -+ t(df) sqrt(sd^2 / n + run_sd^2 / runs). The first
     part is the uncertainty of the mean fit (``sd``: the spread of the seeds' fits at that size, which carries
     the extrapolation's leverage); the second the new runs' own seed noise (``run_sd``: ``within_spread``, with
-    ``run_df`` degrees of freedom), which the interval of the mean alone (``Trend.at``) leaves out; df the
-    smaller of the two parts' (conservative: Welch-Satterthwaite's df can make it narrower than the interval of
-    the mean alone). (NaN, NaN) where a part is unknown or both are zero."""
+    ``run_df`` degrees of freedom), which the interval of the mean alone (``Trend.at``) leaves out. The t
+    quantile at Welch-Satterthwaite's df, the half-width never below the mean's own t(n - 1) sd / sqrt(n)
+    (Welch-Satterthwaite's df can otherwise make it the narrower). (NaN, NaN) where a part is unknown; a
+    zero-width interval where both are zero (every seed at every size alike, e.g. a loss at L0 throughout)."""
     v1, v2 = (sd * sd / n if n >= 2 else math.nan), (run_sd * run_sd / runs if runs >= 1 and run_df >= 1 else math.nan)
-    if not (math.isfinite(v1) and math.isfinite(v2)) or v1 + v2 <= 0:
+    if not (math.isfinite(v1) and math.isfinite(v2)):
         return float("nan"), float("nan")
-    df = min(n - 1, run_df)
-    half = float(scipy_t.ppf(0.5 + confidence / 2, df)) * math.sqrt(v1 + v2)
+    q = 0.5 + confidence / 2
+    if v1 + v2 > 0:
+        df = (v1 + v2) ** 2 / (v1 * v1 / (n - 1) + v2 * v2 / run_df)
+        half = max(float(scipy_t.ppf(q, df)) * math.sqrt(v1 + v2), float(scipy_t.ppf(q, n - 1)) * math.sqrt(v1))
+    else:
+        half = 0.0
     lo, hi = mid - half, mid + half
     return (10 ** lo, 10 ** hi) if log_y else (lo, hi)
 
