@@ -164,11 +164,11 @@ def _table(groups: list[Group], plans: dict[str, dict] | None) -> list[ClaimRow]
 def claims_table(groups: list[Group], studies: dict[str, dict] | None = None,
                  registered_groups: list[Group] | None = None) -> list[ClaimRow]:
     """One row per claim: verdict and reason by VERDICT_RULE, the old rule's verdict (verdict_old), and the
-    statistics of a paired claim (stats: None for the others) with its family's Holm and BH adjustments
-    of its registered test's p-value (p_holm, q_bh: sign-flip, or the t-test's under test = "t"), the
-    result files it read (cells), its status (confirmatory:
-    registered in a study's [claims]; exploratory) and, for a claim of a study whose plan was amended
-    after results, ``amended`` and its verdict under the plan first registered (verdict_registered).
+    statistics of a paired claim (stats: None for the others) with its family's Holm and BH adjustments of its
+    registered test's p-value (p_holm, q_bh: sign-flip, or the t-test's under test = "t"), the result files it read
+    (cells), its status (confirmatory: registered in a study's [claims]; exploratory) and, for a claim of a study
+    whose plan was amended after results, ``amended`` and its verdict under the plan first registered
+    (verdict_registered).
     ``studies`` (name -> study.json, as the report reads them): None reads every claim as registered with
     the catalogue's parameters (the verdict rule on its own). ``registered_groups``: the groups of the cells
     of each study's registered design (``registered_results``), when an amendment changed a design; the

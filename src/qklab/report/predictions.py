@@ -36,7 +36,7 @@ from typing import Any
 from qklab.report.scale import MethodScale, method_scales
 from qklab.study.analyze import Group
 from qklab.study.result import num
-from qklab.study.sensitivity import fit_scale, grid_final, run_interval, trend, within_spread
+from qklab.study.sensitivity import capped_loss, fit_scale, grid_final, run_interval, trend, within_spread
 
 GPU_RESULTS = Path("docs/results/gpu_payload")  # where a GPU run's payload results are committed
 HIGH = 4.0  # the high rate: this multiple of each method's tuned rate
@@ -91,12 +91,11 @@ def _high_rate(r: MethodScale, groups: dict[tuple, dict], key: str) -> tuple[lis
     for w, size in zip(r.widths, r.sizes, strict=True):
         g = groups[(r.study, r.variant, w)]
         m = g.chosen * HIGH if g.chosen is not None else None
-        if m in g.sweep and m in grid_final(g, key):  # (every cell at that rate failed: not in the grid)
-            sizes.append(size)
-            got = grid_final(g, key)[m]
+        got = grid_final(g, key).get(m) if m in g.sweep else None  # None: every cell at that rate failed
+        if got is not None:
             if key == "report_loss" and g.vocab_size:
-                l0 = math.log(float(g.vocab_size))
-                got = {s: min(v, l0) if math.isfinite(v) else l0 for s, v in got.items()}
+                got = {s: capped_loss(v, math.log(float(g.vocab_size))) for s, v in got.items()}
+            sizes.append(size)
             vals.append(got)
     return sizes, vals
 
@@ -187,7 +186,7 @@ def _measured(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             vocab = ((r.get("config") or {}).get("model") or {}).get("vocab_size")
             loss = num(f.get("report_loss"))
             if vocab:
-                losses.append(min(loss, math.log(vocab)) if math.isfinite(loss) else math.log(vocab))
+                losses.append(capped_loss(loss, math.log(vocab)))
             elif math.isfinite(loss):
                 losses.append(loss)
         out[m] = {"report_loss": sum(losses) / len(losses)} if losses else {}

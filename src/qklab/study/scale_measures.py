@@ -93,11 +93,12 @@ def logit_by_width() -> Callable:
         study, by_w = _ladder(groups, REFERENCE)
         if len(by_w) < 2:
             return not_measurable("needs `none` at two or more widths in one study")
-        shared = set.intersection(*(set(_registered_rates(g)) for g in by_w.values()))
+        rates = {w: _registered_rates(g) for w, g in by_w.items()}
+        shared = set.intersection(*(set(r) for r in rates.values()))
         if not shared:
             return not_measurable("no rate of the grid that every width shares")
         lr = max(shared)
-        at = {w: _registered_rates(g)[lr] for w, g in by_w.items()}
+        at = {w: r[lr] for w, r in rates.items()}
         seeds = set.intersection(*(set(m) for m in at.values()))
         xs = [math.log10(group_size(by_w[w])) for w in sorted(by_w)]
         values = {s: slope(xs, [math.log10(at[w][s]) if at[w][s] > 0 else math.nan for w in sorted(by_w)])

@@ -44,12 +44,18 @@ def width_ladders(groups: list[Group]) -> dict[str, dict[str, dict[int, Group]]]
             and max(len(by_w) for by_w in vs.values()) >= 2}
 
 
+def capped_loss(x: float, l0: float) -> float:
+    """A final loss as the scale analysis reads it: at most L0, the loss at initialisation; a non-finite one
+    (a run that blew up) counts as L0."""
+    return min(x, l0) if math.isfinite(x) else l0
+
+
 def lr_sensitivity(losses: Sequence[float], l0: float) -> float:
     """Mean over the grid of min(L, L0) - L*, with L* = min over the grid of min(L, L0); a non-finite loss
-    counts as L0. NaN for an empty grid."""
+    counts as L0 (``capped_loss``). NaN for an empty grid."""
     if not losses:
         return float("nan")
-    capped = [min(x, l0) if math.isfinite(x) else l0 for x in losses]
+    capped = [capped_loss(x, l0) for x in losses]
     best = min(capped)
     return sum(x - best for x in capped) / len(capped)
 
