@@ -185,13 +185,13 @@ def test_neutral_and_resumable_keys_come_from_the_fields():
     from qklab.config import NEUTRAL, RESUMABLE
 
     assert NEUTRAL == {"train.out_dir", "train.name", "train.progress", "train.threads", "train.ckpt_format",
-                       "data.cache_dir"}
+                       "data.cache_dir", "data.token_pack"}
     assert RESUMABLE == {
         "preset", "train.name", "train.out_dir", "train.steps", "train.log_every", "train.eval_every",
         "train.eval_batches", "train.ckpt_every", "train.keep_ckpts", "train.progress", "train.threads",
         "train.device", "train.compile", "train.diag_every", "train.diag_batch", "train.nonfinite",
-        "train.skip_limit", "train.lr", "train.grad_clip", "data.cache_dir", "train.trackers", "train.parallel",
-        "train.ckpt_format"}
+        "train.skip_limit", "train.lr", "train.grad_clip", "data.cache_dir", "data.token_pack", "train.trackers",
+        "train.parallel", "train.ckpt_format"}
 
 
 MLA_NARROW = ["model.attention=mla", "qk.method=qkmap", "qk.qkmap.proj_dim=4"]

@@ -76,7 +76,7 @@ def test_a_bare_qklab_prints_what_it_can_do(capsys):
     assert main([]) == 0
     out = capsys.readouterr().out
     assert out == build_parser().format_help()
-    for cmd in ("train", "config", "demo", "study", "report", "sweep", "probe", "export"):
+    for cmd in ("train", "tokens", "config", "demo", "study", "report", "sweep", "probe", "export"):
         assert f"\n    {cmd} " in out, cmd
 
 

@@ -1,4 +1,5 @@
-"""Command line: ``qklab train``, ``qklab demo``, ``qklab study``, ``qklab report``, ``qklab sweep``, ``qklab probe``.
+"""Command line: ``qklab train``, ``qklab demo``, ``qklab study``, ``qklab report``, ``qklab sweep``, ``qklab probe``,
+``qklab tokens``.
 
 User mistakes print one line (``qklab: error: ...``) and exit with code 2, without a traceback: bad
 options and config values, missing or unwritable files (any OSError), damaged input. A run stopped by
@@ -49,6 +50,17 @@ def _train(args: argparse.Namespace) -> int:
         print(f"qklab: failed: {res.skipped} of {res.steps} steps were skipped as non-finite, more than "
               f"train.skip_limit={cfg.train.skip_limit:g} allows; lower train.lr", file=sys.stderr)
         return 1
+    return 0
+
+
+def _tokens(args: argparse.Namespace) -> int:
+    from qklab.data.pack import pack_bytes, read_meta, write_pack
+
+    cfg = load_config(args.config, args.set)
+    out = write_pack(cfg.data, Path(args.out))
+    splits = read_meta(out)["splits"]
+    print(f"pack: {out} ({pack_bytes(out):,} bytes; {splits['train']['tokens']:,} train and "
+          f"{splits['val']['tokens']:,} val tokens); on a machine without the source: --set data.token_pack={out}")
     return 0
 
 
@@ -170,6 +182,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, None if line is None else line + "\n")
 
 
+def _config_options(p: argparse.ArgumentParser, example: str) -> None:
+    """--config and --set, as train and tokens read them (``load_config``)."""
+    p.add_argument("--config", "-c", default="tiny", help=f"preset name ({', '.join(preset_names())}) or TOML path")
+    p.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",
+                   help=f"override a config value, e.g. --set {example} (repeatable)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="qklab", description="Train and compare QK methods for attention.")
     p.add_argument("--version", action="version", version=version_line())
@@ -178,9 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a GPT with a QK method",
                        epilog="every config key, its type, default, valid values and meaning: qklab config [SECTION] "
                        "(or docs/config.md)")
-    t.add_argument("--config", "-c", default="tiny", help=f"preset name ({', '.join(preset_names())}) or TOML path")
-    t.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set qk.method=qknorm (repeatable)")
+    _config_options(t, "qk.method=qknorm")
     t.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
     t.add_argument("--overwrite", action="store_true", help="delete an existing run folder of the same name")
     t.set_defaults(fn=_train)
@@ -195,6 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--markdown", action="store_true",
                    help="print the reference page instead: qklab config --markdown > docs/config.md")
     c.set_defaults(fn=_config)
+
+    k = sub.add_parser("tokens", help="write the token pack of a config's data (its tokenizer and token files, "
+                       "xz-compressed) for a machine without the source",
+                       description="Prepare a config's data (reading its source, or reusing the token cache) and write "
+                       "its token pack: a folder that data.token_pack reads instead of the source (docs/corpus.md).")
+    _config_options(k, "data.source=english")
+    k.add_argument("--out", required=True, metavar="DIR",
+                   help="the pack's folder (replaced if it is a pack), e.g. .cache/packs/english-small")
+    k.set_defaults(fn=_tokens)
 
     d = sub.add_parser("demo", help="the main job: a small study of every QK method, a table and a report")
     d.add_argument("--study", default="demo", help="study file or name in studies/ (default: demo)")

@@ -49,6 +49,10 @@ class DataConfig:
     cache_dir: str = field(default=".cache/qklab", metadata={
         "doc": "folder for the trained tokenizer and the token files", "range": _NAMED, "neutral": True,
         "resumable": True})
+    token_pack: str = field(default="", metadata={
+        "doc": "a token pack (qklab tokens --out) to read instead of the source, on a machine without it: its tokens "
+        "and tokenizer, checked against the data settings; empty: read the source", "neutral": True,
+        "resumable": True})
     retrieval: float = option(0.0,
         "share of training sequences that carry the synthetic key-value retrieval task (qklab.data.retrieval); "
         "0 trains on the text alone", between(0, 1))
@@ -65,10 +69,16 @@ class DataConfig:
         check_fields("data", self, error=DataError)
         if not isinstance(self.source, str) or not self.source.strip():
             raise DataError("data.source: empty; give 'pystdlib', a file, folder or glob, or 'hf:<name>'")
-        if self.source.startswith(HF_PREFIX):
-            if not self.source[len(HF_PREFIX) :].strip():
-                raise DataError("data.source: 'hf:' needs a dataset after it, e.g. 'hf:data/train.jsonl'")
-        elif self.source not in (PYSTDLIB, ENGLISH, MQAR) and not _local_source_exists(self.source):
+        if self.source.startswith(HF_PREFIX) and not self.source[len(HF_PREFIX) :].strip():
+            raise DataError("data.source: 'hf:' needs a dataset after it, e.g. 'hf:data/train.jsonl'")
+        if self.token_pack:  # the source need not be on this machine
+            if self.source == MQAR:
+                raise DataError("data.token_pack: source mqar is generated, it reads no token pack; leave it empty")
+            if not os.path.isfile(os.path.join(self.token_pack, "pack.json")):
+                raise DataError(f"data.token_pack: {self.token_pack!r} is no token pack (a folder with pack.json); "
+                                "write one with qklab tokens --out DIR on a machine with the source")
+        elif (not self.source.startswith(HF_PREFIX) and self.source not in (PYSTDLIB, ENGLISH, MQAR)
+              and not _local_source_exists(self.source)):
             raise DataError(
                 f"data.source: no such file, folder or glob {self.source!r}; "
                 "give an existing path or 'pystdlib'"

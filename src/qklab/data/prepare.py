@@ -68,10 +68,15 @@ class PreparedData:
 
 def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print) -> PreparedData | mqar.MQARData:
     """Read, split and tokenize cfg.source, reusing the tokenizer and tokens cached in cfg.cache_dir (the
-    synthetic source mqar: its generator, nothing read or cached)."""
+    synthetic source mqar: its generator, nothing read or cached; with cfg.token_pack: the pack's tokens,
+    the source not read)."""
     cfg.validate()
     if cfg.source == mqar.MQAR:
         return mqar.prepare(cfg)
+    if cfg.token_pack:  # a machine without the source: the pack's tokens and tokenizer (data/pack.py)
+        from .pack import load_pack
+
+        return load_pack(cfg, log)
     source = load_documents(cfg)
     log(source.summary())
     if not source.docs:
