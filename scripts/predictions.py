@@ -4,12 +4,13 @@ the checker (the GPU script's dry run).
 
   python scripts/predictions.py write docs/results/ladder_english docs/results/predictions/scale_v1.json \\
       --regime "..." --record docs/results/scale_english/study.json
-  python scripts/predictions.py check docs/results/predictions/scale_v1.json RESULTS_DIR [--same-regime] \\
-      [--study-json docs/results/scale_english/study.json]
+  python scripts/predictions.py check docs/results/predictions/scale_v1.json RESULTS_DIR [--payload NAME] \\
+      [--target LABEL] [--same-regime] [--study-json docs/results/scale_english/study.json]
   python scripts/predictions.py plant docs/results/predictions/scale_v1.json OUT_DIR   # then check OUT_DIR
 
 check prints one line per prediction (HIT, MISS, NOT TESTED) and exits 0 whatever they say; 2 when the
-predictions file is not the one the study.json recorded.
+predictions file is not the one the study.json recorded. --payload gpu_scale reads the target that payload
+measures, in the fits' regime, and its results as a rate grid (where their study.json came with them).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from qklab.report.predictions import (
-    TARGETS,
+    SAME_REGIME,
     check,
+    first_target,
     format_checks,
     logit_hit_interval,
     make_predictions,
@@ -59,24 +61,36 @@ def _check(a) -> int:
                   file=sys.stderr)
             return 2
     pred = json.loads(text)
-    # every result.json as it is (a run's payload cells, or planted ones with only the fields a check reads)
-    results = [json.loads(f.read_text()) for f in sorted(Path(a.results).rglob("result.json"))]
-    target = a.target or next(iter(TARGETS))
+    target = a.target or first_target(pred, a.payload)
+    if target is None:  # a file written before that payload existed: nothing of it to check
+        print(f"{a.predictions} has no target that {a.payload} measures: nothing checked")
+        return 0
+    if target not in pred["targets"]:
+        print(f"error: {a.predictions} predicts nothing for {target!r}; its targets: "
+              + "; ".join(pred["targets"]), file=sys.stderr)
+        return 2
+    same_regime = a.same_regime or (a.payload in SAME_REGIME)
+    # every result.json as it is (a run's payload cells, or planted ones with only the fields a check reads);
+    # where the run's study.json came with them, its analysed groups too (a rate grid is read as a grid)
+    folder = Path(a.results)
+    results = [json.loads(f.read_text()) for f in sorted(folder.rglob("result.json"))]
+    groups = analyze(*load_results([folder])).groups if results and any(folder.rglob("study.json")) else None
     print(f"predictions {a.predictions} for {target}, against {len(results)} result file(s) in {a.results}"
-          f" ({'same regime' if a.same_regime else 'another regime: values not tested, orders checked'})")
-    for line in format_checks(check(pred, results, target, a.same_regime)):
+          f" ({'same regime' if same_regime else 'another regime: values not tested, orders checked'})")
+    for line in format_checks(check(pred, results, target, same_regime, groups)):
         print(line)
     return 0
 
 
 def _plant(a) -> int:
-    """Minimal result files for the first target: every method at its predicted max logit, except the one
-    predicted highest, planted ten times above where one run hits (so no order breaks); report losses in the
-    predicted high-rate order."""
+    """Minimal result files for the file's first target: every method at its predicted max logit, except the
+    one predicted highest, planted ten times above where one run hits (so no order breaks); report losses at
+    their predicted high-rate values (or, where none is predicted, in the predicted high-rate order)."""
     pred = json.loads(Path(a.predictions).read_text())
-    t = pred["targets"][next(iter(TARGETS))]
+    t = pred["targets"][first_target(pred)]
     ranked = ranking(t["high_rate_loss_order"])
-    loss = {m: 6.0 - 0.1 * i for i, m in enumerate(ranked)}
+    high = t.get("high_rate_loss") or {}
+    loss = {m: high[m]["value"] if m in high else 6.0 - 0.1 * i for i, m in enumerate(ranked)}
     out = Path(a.out)
     top = max(t["max_logit"], key=lambda m: t["max_logit"][m]["value"])  # above it, it breaks no order
     for m, v in sorted(t["max_logit"].items()):
@@ -104,7 +118,9 @@ def main(argv: list[str]) -> int:
     c = sub.add_parser("check")
     c.add_argument("predictions")
     c.add_argument("results")
-    c.add_argument("--target", choices=list(TARGETS))
+    c.add_argument("--target", help="a target label of the file (default: its first)")
+    c.add_argument("--payload", help="the payload study the results are from (e.g. gpu_scale): its target, "
+                   "in its regime (default: the first target, another regime unless --same-regime)")
     c.add_argument("--same-regime", action="store_true")
     c.add_argument("--study-json")
     pl = sub.add_parser("plant")

@@ -219,7 +219,7 @@ def test_what_a_run_measured_reads_losses_as_the_predictions_do():
 
     got = _measured([cell("none", "inf"), cell("qknorm", 5.0), cell("qkmap", 12.0), cell("quest", 9.0, logit="nan")])
     assert got["none"]["report_loss"] == l0 and got["qkmap"]["report_loss"] == l0 and got["quest"] == {
-        "report_loss": l0}
+        "report_loss": l0, "loss_runs": 1}
     pred = {"targets": {TARGET: {"max_logit": {}, "max_logit_order": [], "sensitivity_order": [],
                                  "high_rate_loss_order": [{"upper": "none", "lower": "qknorm", "relation": "above"}]}}}
     c = {x.id.split(" @ ")[0]: x for x in check(pred, [cell("none", "inf"), cell("qknorm", 5.0)], TARGET, True)}
@@ -236,3 +236,102 @@ def test_what_a_run_measured_reads_losses_as_the_predictions_do():
                                  "max_logit_order": [], "high_rate_loss_order": [], "sensitivity_order": []}}}
     c = check(pred, [cell("none", 5.0, 0, 0.25, 10.0), cell("none", 5.0, 0, 1.0, 100.0)], TARGET, True)[0]
     assert c.outcome == "not tested" and "2 rates" in c.why
+
+
+def _grid_group(method: str, controller: str, losses: dict, logits: dict, chosen: float = 1.0):
+    """A planted analysed group on the grid x0.25 .. x8 (rate multiple -> seed -> value)."""
+    from qklab.study.analyze import Group, RateOutcome
+
+    grid = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+    return Group(study="gpu_scale", variant=controller if controller != "none" else method, method=method,
+                 controller=controller, d_model=1024, vocab_size=4096, chosen=chosen, grid=grid,
+                 sweep={m: RateOutcome(lr=m * 3.75e-4) for m in losses},
+                 grid_final={"report_loss": losses, "max_logit": logits})
+
+
+def test_a_rate_grid_is_read_as_the_fits_read_the_ladder():
+    """A run on the whole rate grid gives, per method, LR sensitivity over the grid (Wortsman's mean of
+    min(L, L0) - L*, over seeds) and the max logit (geometric mean) and loss (capped at L0) at 4x the chosen
+    rate: each against a hand computation, then checked as values and orders; a grid with a rate missing is not
+    read (a rate chosen from part of it is not the tuned one)."""
+    from qklab.report.predictions import _measured_grid, hit_interval
+
+    l0 = math.log(4096)
+    mults = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+    none_loss = {m: {0: v, 1: v + 0.1} for m, v in zip(mults, (5.0, 4.6, 4.4, 4.5, 5.2, float("inf")), strict=True)}
+    none_logit = {m: {0: 10.0 * m, 1: 40.0 * m} for m in mults}
+    qkn_loss = {m: {0: v, 1: v} for m, v in zip(mults, (4.9, 4.5, 4.4, 4.4, 4.5, 4.7), strict=True)}
+    qkn_logit = {m: {0: 8.0, 1: 8.0} for m in mults}
+    groups = [_grid_group("none", "none", none_loss, none_logit), _grid_group("qknorm", "none", qkn_loss, qkn_logit),
+              _grid_group("none", "quack", {m: v for m, v in qkn_loss.items() if m != 8.0}, qkn_logit)]
+    got = _measured_grid(groups)
+    # none: per seed [0.6, 0.2, 0, 0.1, 0.8, L0 - 4.4] (seed 1 alike: its L* is 4.5 and its L0 term L0 - 4.5)
+    s0 = (0.6 + 0.2 + 0 + 0.1 + 0.8 + (l0 - 4.4)) / 6
+    s1 = (0.6 + 0.2 + 0 + 0.1 + 0.8 + (l0 - 4.5)) / 6
+    assert got["none"]["sensitivity"] == pytest.approx((s0 + s1) / 2) and got["none"]["sensitivity_runs"] == 2
+    assert got["none"]["max_logit"] == pytest.approx(math.sqrt(40.0 * 160.0))  # at x4: 40 and 160
+    assert got["none"]["report_loss"] == pytest.approx(5.25) and got["none"]["loss_runs"] == 2
+    assert got["qknorm"]["sensitivity"] == pytest.approx((0.5 + 0.1 + 0 + 0 + 0.1 + 0.3) / 6)
+    assert got["quack"] == {"grid": "5 of 6 rates finished"}
+    # the chosen rate at x4: x4 x4 = 16 is off the grid, so the high rate is not measured (sensitivity is)
+    hi = _measured_grid([_grid_group("none", "none", none_loss, none_logit, chosen=4.0)])["none"]
+    assert "max_logit" not in hi and "sensitivity" in hi
+    one = {"targets": {TARGET: {"max_logit": {"none": {"value": 10.0, "lo": 5.0, "hi": 20.0}},
+                                "max_logit_order": [], "high_rate_loss_order": [], "sensitivity_order": []}}}
+    c4 = check(one, [], TARGET, True, [_grid_group("none", "none", none_loss, none_logit, chosen=4.0)])[0]
+    assert c4.outcome == "not tested" and "4x its chosen rate (x4) is not on the grid" in c4.why
+    c0 = check(one, [], TARGET, True, [_grid_group("none", "none", none_loss, none_logit, chosen=None)])[0]
+    assert "no rate chosen" in c0.why
+    spread = {"seeds": 3, "sd": 0.05, "run_sd": 0.05, "run_df": 6}
+    pred = {"targets": {TARGET: {
+        "max_logit": {}, "max_logit_order": [],
+        "high_rate_loss": {"none": {"value": 5.2, "lo": 5.0, "hi": 5.4, **spread},
+                           "qknorm": {"value": 6.0, "lo": 5.9, "hi": 6.1, **spread}},
+        "high_rate_loss_order": _order({"none": [5.2, 5.0, 5.4], "qknorm": [4.45, 4.3, 4.6]}),
+        "sensitivity": {"none": {"value": 1.0, "lo": 0.8, "hi": 1.2, **spread}},
+        "sensitivity_order": _order({"none": [1.0, 0.8, 1.2], "qknorm": [0.2, 0.1, 0.3]})}}}
+    c = {x.id.split(" @ ")[0]: x for x in check(pred, [], TARGET, True, groups[:2])}
+    lo, hi_ = hit_interval(pred["targets"][TARGET]["high_rate_loss"]["none"], 2, log_y=False)
+    assert lo < 5.25 < hi_ and c["high_rate_loss none"].outcome == "hit" and "mean of 2 seeds" in c[
+        "high_rate_loss none"].measured
+    assert c["high_rate_loss qknorm"].outcome == "miss"  # 4.5 measured, 6.0 predicted
+    # measured 0.928; predicted 1.0 -+ t sqrt(0.05^2 / 3 + 0.05^2 / 2) (about -+0.11) for two runs: a hit
+    assert c["sensitivity none"].outcome == "hit" and (s0 + s1) / 2 == pytest.approx(0.928, abs=1e-3)
+    far = {**pred["targets"][TARGET]["sensitivity"]["none"], "value": 1.2}
+    assert check({"targets": {TARGET: {**pred["targets"][TARGET], "sensitivity": {"none": far}}}}, [], TARGET,
+                 True, groups[:2])[2].outcome == "miss"
+    assert c["sensitivity_order"].outcome == "hit" and c["high_rate_loss_order"].outcome == "hit"
+    # another regime: the grid's orders are observations, its values not tested
+    o = {x.id.split(" @ ")[0]: x for x in check(pred, [], TARGET, False, groups[:2])}
+    assert o["sensitivity none"].outcome == "not tested" and "another regime" in o["sensitivity_order"].why
+
+
+def test_each_target_is_checked_against_the_payload_that_measures_it(tmp_path):
+    """The report checks a target against the run of the payload study its label (or, from schema 2 on, the
+    file) names, in that payload's regime: values are tested only against gpu_scale."""
+    import hashlib
+    import json
+
+    from qklab.report.predictions import TARGETS, LargerRun, first_target, payload_of, predictions_lines
+
+    assert [payload_of(label, {}) for label in TARGETS] == ["gpu_scale", "gpu_payload", None]
+    assert payload_of("x", {"payload": "gpu_scale"}) == "gpu_scale"
+    # a check's default target: the first of TARGETS' order the file has (files are written with sorted keys)
+    labels = list(TARGETS)
+    assert first_target({"targets": {x: {} for x in sorted(labels)}}) == labels[0]
+    assert first_target({"targets": {x: {} for x in sorted(labels)}}, "gpu_payload") == labels[1]
+    assert first_target({"targets": {x: {} for x in labels[1:]}}) == labels[1]  # scale_1.json: 38M first
+    assert first_target({"targets": {x: {} for x in labels[1:]}}, "gpu_scale") is None
+    v = {"value": 100.0, "lo": 50.0, "hi": 200.0}
+    t = {"max_logit": {"none": v}, "max_logit_order": [], "high_rate_loss_order": [], "sensitivity_order": []}
+    pred = {"targets": {"51M (gpu_scale: w)": t, "38M (gpu_payload: w)": t, "124M (GPT-2 small)": t}}
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(pred))
+    rec = {"s": {"predictions": [{"file": str(f), "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}]}}
+    run = [_result("none", "none", 120.0, 5.0)]
+    lines = predictions_lines(rec, {"gpu_scale": LargerRun("gpu_scale", run, [], True),
+                                    "gpu_payload": LargerRun("gpu_payload", run, [], False)})
+    logit = [ln for ln in lines if "max_logit none" in ln]
+    assert logit[0].startswith("  - HIT ") and "@ 51M" in logit[0]
+    assert logit[1].startswith("  - NOT TESTED") and "another regime" in logit[1]
+    assert logit[2].startswith("  - NOT YET TESTED") and "@ 124M" in logit[2]

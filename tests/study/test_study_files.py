@@ -80,3 +80,40 @@ def test_a_protocol_as_the_file_gives_it_reads_back_the_same():
                     probe=2, reuse=["x"])
     assert s.protocol == want and all(type(x) is float for x in s.protocol.lr_mults)
     assert (s.name, s.seeds, s.workers) == ("t", [0, 1], 0) and len(s.cells) == 2 * 2 + 2 * 2
+
+
+def test_gpu_scale_is_scale_english_one_width_further():
+    """gpu_scale tests the scale predictions in the fits' own regime: each of its cells is scale_english's
+    cell of the same variant, rate multiple and seed at width 512, with the width, heads, Q/K init and anchor
+    rate of the next step of its ladder (the anchor halving as the width doubles), and the checkpoint cadence
+    (which computes nothing) alone changed."""
+    from dataclasses import asdict, replace
+
+    from qklab.report.predictions import TARGETS
+
+    root = Path(__file__).parents[2] / "studies"
+    scale = {(c.variant, c.lr_mult, c.seed): c for c in load_study(root / "scale_english.toml").cells
+             if c.cfg.model.d_model == 512}
+    gpu = load_study(root / "gpu_scale.toml")
+    assert gpu.protocol.lr_mults == load_study(root / "scale_english.toml").protocol.lr_mults
+    assert len(gpu.cells) == 30
+    for c in gpu.cells:
+        ref = scale[(c.variant, c.lr_mult, c.seed)]
+        a, b = asdict(ref.cfg), asdict(c.cfg)
+        assert (b["model"]["d_model"], b["model"]["n_heads"]) == (1024, 16)
+        assert b["model"]["qk_init_std"] == pytest.approx(1024 ** -0.5)
+        assert b["train"]["lr"] == pytest.approx(a["train"]["lr"] / 2)
+        for cfg in (a, b):
+            cfg["model"].update(d_model=None, n_heads=None, qk_init_std=None)
+            cfg["train"].update(lr=None, ckpt_every=None)
+        assert a == b
+    # the target it measures: its model's non-embedding parameters, exactly
+    import torch
+
+    from qklab.model.gpt import GPT
+    from qklab.study.sensitivity import non_embedding
+
+    label = next(x for x in TARGETS if "gpu_scale" in x)
+    with torch.device("meta"):
+        model = GPT(replace(gpu.cells[0].cfg.model, vocab_size=4096), gpu.cells[0].cfg.qk)
+    assert non_embedding(sum(p.numel() for p in model.parameters()), 4096, 1024) == TARGETS[label]

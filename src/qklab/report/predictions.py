@@ -13,15 +13,21 @@ Each value: ``value``, the mean of the seeds' own fits at the target; ``lo``, ``
 seeds; ``seeds``, ``sd``, the spread of the seeds' fits there; ``run_sd``, ``run_df``, the spread of seeds
 within one size (``within_spread``); ``run_lo``, ``run_hi``, where one new run should fall if the fit held
 (``run_interval``: t sqrt(sd^2/n + run_sd^2/k) for k runs, t at Welch-Satterthwaite's df, never narrower than
-the mean's interval). A measured max logit hits within that interval for the seeds it has (their geometric
-mean). A value whose interval is not finite (fewer than three sizes, one seed, no size with two seeds) is not
-written. An order names every pair of methods "above" only where the two methods' one-run intervals do not
-overlap, so that one run of each can test it, else "tied"; a check counts only the pairs predicted apart.
+the mean's interval). A measured value hits within that interval for the seeds it has (their mean; for a max
+logit, their geometric mean). A value whose interval is not finite (fewer than three sizes, one seed, no size
+with two seeds) is not written. An order names every pair of methods "above" only where the two methods'
+one-run intervals do not overlap, so that one run of each can test it, else "tied"; a check counts only the
+pairs predicted apart.
 ``scale_1.json``, written before (schema 1), has a bootstrap of each size's seeds for its intervals (far too
 narrow: docs/results/predictions/README.md), no seed spread, and orders over neighbours in the ranking only:
 it is checked as it was written. Every prediction carries the regime of the fits (optimizer, corpus, depth,
 steps): a run in another regime can check only what the prediction says carries across regimes (the orders),
 and a value prediction reads "not tested" there.
+Each target names the payload study that measures it (``payload``; in older files, the label's
+parentheses). ``gpu_scale`` continues the fits' own ladder one width further in their regime, every method on
+the whole rate grid, so it tests the values: its cells are read as the fits read the ladder (the rate chosen
+on the selection split, the max logit and loss at 4x it, LR sensitivity over the grid). ``gpu_payload`` (depth
+12, Muon at one shared rate) is another regime: its orders are observations beside the prediction.
 """
 
 from __future__ import annotations
@@ -29,20 +35,38 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from qklab.report.scale import MethodScale, method_scales
-from qklab.study.analyze import Group
+from qklab.study.analyze import Group, analyze, load_results
 from qklab.study.result import num
-from qklab.study.sensitivity import capped_loss, fit_scale, grid_final, run_interval, trend, within_spread
+from qklab.study.sensitivity import (
+    capped_loss,
+    fit_scale,
+    grid_final,
+    group_sensitivity,
+    rate_grid,
+    run_interval,
+    trend,
+    within_spread,
+)
 
-GPU_RESULTS = Path("docs/results/gpu_payload")  # where a GPU run's payload results are committed
+GPU_RESULTS = Path("docs/results")  # a GPU run's payload results are committed under here, one folder each
 HIGH = 4.0  # the high rate: this multiple of each method's tuned rate
 MIN_SIZES = 3  # a fit needs three sizes
-TARGETS = {"38M (gpu_payload: width 512, 12 layers)": 12 * 12 * 512 ** 2,
+# target label -> non-embedding parameters; the label's "(NAME: ...)" names the payload study that measures it.
+# gpu_scale continues the fits' own ladder (depth 4, one more width) in their regime, so it tests the values;
+# the other two are at depth 12, another regime (gpu_payload runs Muon at one shared rate): orders only.
+TARGETS = {"51M (gpu_scale: width 1024, 4 layers)": 50_603_008,  # the GPT's count at that shape, exactly
+           "38M (gpu_payload: width 512, 12 layers)": 12 * 12 * 512 ** 2,
            "124M (GPT-2 small: width 768, 12 layers; 85M non-embedding)": 12 * 12 * 768 ** 2}
+SAME_REGIME = ("gpu_scale",)  # the payload studies that run in the fits' regime
+# what a value prediction is read against in a run: prediction key -> (measured key, its run count, log scale)
+VALUES = {"max_logit": ("max_logit", "runs", True), "high_rate_loss": ("report_loss", "loss_runs", False),
+          "sensitivity": ("sensitivity", "sensitivity_runs", False)}
 
 
 @dataclass(frozen=True)
@@ -147,7 +171,9 @@ def make_predictions(groups: list[Group], regime: str, source: str) -> dict[str,
                     got[key][m] = p
             if (p := _predict(r.sizes, r.sensitivity, size, False, (0.0, math.inf))) is not None:
                 got["sensitivity"][m] = p  # it cannot fall below 0: a fit that does reads as 0
-        out["targets"][label] = {"non_embedding_parameters": size, **got, **{
+        payload = payload_of(label, {})
+        out["targets"][label] = {"non_embedding_parameters": size, "payload": payload,
+                                 "same_regime": payload in SAME_REGIME, **got, **{
             f"{key}_order": _order({m: [v["value"], v["run_lo"], v["run_hi"]] for m, v in got[key].items()})
             for key in got}}
     return out
@@ -164,9 +190,9 @@ def write_predictions(pred: dict[str, Any], path: Path) -> str:
 def _measured(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """method -> what a run measured at its one rate: ``max_logit``, the geometric mean over its seeds (the
     scale it is predicted on), with ``runs`` the seeds in it; ``report_loss``, the mean over seeds, each capped
-    at L0 = ln(vocab) and a non-finite one counted as L0 (as the predictions read losses). A method whose cells
-    ran at several rate multiples (or in several variants or grid points) gets ``{"rates": n}`` alone: a check
-    reads one run of each method, over its seeds."""
+    at L0 = ln(vocab) and a non-finite one counted as L0 (as the predictions read losses), with ``loss_runs``.
+    A method whose cells ran at several rate multiples (or in several variants or grid points) gets
+    ``{"rates": n}`` alone: one run of each method is read, over its seeds (a rate grid: ``_measured_grid``)."""
     by: dict[str, dict[tuple[str, str, float], dict[int, dict[str, Any]]]] = {}
     for r in results:
         if r.get("status") != "failed":
@@ -178,31 +204,69 @@ def _measured(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         if len(rates) > 1:  # several rates, variants or grid points of one method: which one is predicted?
             out[m] = {"rates": len(rates)}
             continue
-        logs, losses = [], []
-        for r in next(iter(rates.values())).values():
-            f = r.get("final") or {}
-            if math.isfinite(x := num(f.get("max_logit"))) and x > 0:
-                logs.append(math.log10(x))
-            vocab = ((r.get("config") or {}).get("model") or {}).get("vocab_size")
-            loss = num(f.get("report_loss"))
-            if vocab:
-                losses.append(capped_loss(loss, math.log(vocab)))
-            elif math.isfinite(loss):
-                losses.append(loss)
-        out[m] = {"report_loss": sum(losses) / len(losses)} if losses else {}
-        if logs:
-            out[m] |= {"max_logit": 10 ** (sum(logs) / len(logs)), "runs": len(logs)}
+        cells = next(iter(rates.values())).values()
+        vocab = [((r.get("config") or {}).get("model") or {}).get("vocab_size") for r in cells]
+        out[m] = _at_rate([num((r.get("final") or {}).get("max_logit")) for r in cells],
+                          [num((r.get("final") or {}).get("report_loss")) for r in cells],
+                          math.log(vocab[0]) if vocab and all(v == vocab[0] for v in vocab) and vocab[0] else None)
     return out
 
 
-def logit_hit_interval(v: dict[str, float], runs: int) -> tuple[float, float]:
-    """Where a run's max logit (the geometric mean of ``runs`` seeds) hits a prediction: ``run_interval`` for
-    that many runs, where the file gives the seeds' spread (schema 2); ``scale_1.json`` gives only the
-    interval it registered. (NaN, NaN) where it cannot be had."""
+def _at_rate(logits: list[float], losses: list[float], l0: float | None) -> dict[str, float]:
+    """What the seeds of one run measured at one rate: their max logits' geometric mean (``runs`` of them, the
+    finite positive ones) and their losses' mean (``loss_runs``), a loss capped at ``l0`` and a non-finite one
+    counted as ``l0`` (without an L0, the finite losses alone)."""
+    logs = [math.log10(x) for x in logits if math.isfinite(x) and x > 0]
+    kept = [capped_loss(x, l0) for x in losses] if l0 is not None else [x for x in losses if math.isfinite(x)]
+    out = {"report_loss": sum(kept) / len(kept), "loss_runs": len(kept)} if kept else {}
+    return out | ({"max_logit": 10 ** (sum(logs) / len(logs)), "runs": len(logs)} if logs else {})
+
+
+def _measured_grid(groups: list[Group]) -> dict[str, dict[str, float]]:
+    """method -> what a run on a rate grid measured, read as the fits read the ladder: LR sensitivity over
+    the grid (``group_sensitivity``, the mean over the seeds that finished every rate, ``sensitivity_runs``
+    of them), and, at HIGH x the rate chosen on the selection split, the max logit and the report loss
+    (``_at_rate``). Only a group whose every registered rate has a finished cell is read (a rate chosen from
+    part of the grid is not the tuned rate); else ``{"grid": "k of n rates"}``. A method run as several
+    groups (variants, grid points) gets ``{"rates": n}``; methods run at one rate are ``_measured``'s."""
+    by: dict[str, list[Group]] = {}
+    for g in groups:
+        if len(g.sweep) > 1 or len(g.grid) > 1:
+            by.setdefault(method_key(g.method, g.controller), []).append(g)
+    out: dict[str, dict[str, Any]] = {}
+    for m, gs in by.items():
+        if len(gs) > 1:
+            out[m] = {"rates": len(gs)}
+            continue
+        g = gs[0]
+        grid = rate_grid(g)
+        done = [x for x in grid if grid_final(g, "report_loss").get(x)]
+        if len(done) < len(grid):
+            out[m] = {"grid": f"{len(done)} of {len(grid)} rates finished"}
+            continue
+        l0 = math.log(float(g.vocab_size)) if g.vocab_size else None
+        high = g.chosen * HIGH if g.chosen is not None else None
+        got = _at_rate(list(grid_final(g, "max_logit").get(high, {}).values()),
+                       list(grid_final(g, "report_loss").get(high, {}).values()), l0) if high in g.sweep else {}
+        if sens := group_sensitivity(g):
+            got |= {"sensitivity": sum(sens.values()) / len(sens), "sensitivity_runs": len(sens)}
+        out[m] = got | {"chosen": g.chosen}
+    return out
+
+
+def hit_interval(v: dict[str, float], runs: int, log_y: bool) -> tuple[float, float]:
+    """Where the mean of ``runs`` seeds' measurements (for a max logit, their geometric mean) hits a value
+    prediction: ``run_interval`` for that many runs, where the file gives the seeds' spread (schema 2);
+    ``scale_1.json`` gives only the interval it registered. (NaN, NaN) where it cannot be had."""
     if "run_sd" not in v:
         return v["lo"], v["hi"]
-    return run_interval(math.log10(v["value"]), int(v["seeds"]), v["sd"], v["run_sd"], int(v["run_df"]), runs,
-                        log_y=True)
+    mid = math.log10(v["value"]) if log_y else v["value"]
+    return run_interval(mid, int(v["seeds"]), v["sd"], v["run_sd"], int(v["run_df"]), runs, log_y=log_y)
+
+
+def logit_hit_interval(v: dict[str, float], runs: int) -> tuple[float, float]:
+    """``hit_interval`` of a max-logit prediction (log10 scale)."""
+    return hit_interval(v, runs, log_y=True)
 
 
 def _check_order(pid: str, order: list[dict], measured: dict[str, dict[str, float]], key: str) -> Check:
@@ -218,41 +282,60 @@ def _check_order(pid: str, order: list[dict], measured: dict[str, dict[str, floa
                  f"{len(apart) - len(wrong)} of {len(apart)} pairs predicted apart in the predicted order")
 
 
-def check(pred: dict[str, Any], results: list[dict[str, Any]], target: str, same_regime: bool) -> list[Check]:
+def _check_value(pid: str, v: dict[str, float], got: dict[str, Any], key: str, same_regime: bool) -> Check:
+    """One value prediction (``VALUES[key]``) against what a run measured for its method (``got``)."""
+    what, count, log_y = VALUES[key]
+    shown = (f"{v['value']:.3g} [{v['lo']:.3g}, {v['hi']:.3g}]" if log_y else
+             f"{v['value']:.3f} [{v['lo']:.3f}, {v['hi']:.3f}]")
+    if not same_regime:
+        return Check(pid, "not tested", shown, "-", "the run is in another regime than the fits")
+    if "rates" in got:
+        return Check(pid, "not tested", shown, "-", f"ran at {got['rates']} rates, variants or grid points; a "
+                                                    "check reads one run (or one rate grid) per method")
+    if "grid" in got:
+        return Check(pid, "not tested", shown, "-", f"its rate grid is incomplete ({got['grid']})")
+    if what not in got:
+        chosen = got.get("chosen", math.nan)
+        why = ("LR sensitivity needs the method on a rate grid" if key == "sensitivity" else
+               "no finished cell" if "chosen" not in got else
+               "no rate chosen: every rate diverged or did not learn" if chosen is None else
+               f"{HIGH:g}x its chosen rate (x{chosen:g}) is not on the grid or did not finish")
+        return Check(pid, "not tested", shown, "-", why)
+    x, runs = got[what], int(got[count])
+    lo, hi = hit_interval(v, runs, log_y)
+    if key == "sensitivity":  # it cannot fall below 0 (the interval's part below says nothing)
+        lo = max(lo, 0.0)
+    measured = (f"{x:.4g}" if log_y else f"{x:.3f}") + (
+        f" ({'geometric ' if log_y else ''}mean of {runs} seeds)" if runs > 1 else "")
+    if not (math.isfinite(lo) and math.isfinite(hi)) or hi <= lo:
+        return Check(pid, "not tested", shown, measured, "no hit interval: the file gives too few seeds")
+    why = (f"hit interval for {runs} run(s), their own seed noise added: "
+           + (f"[{lo:.3g}, {hi:.3g}]" if log_y else f"[{lo:.3f}, {hi:.3f}]")
+           if "run_sd" in v else "the interval as registered: the file gives no seed spread")
+    return Check(pid, "hit" if lo <= x <= hi else "miss", shown, measured, why)
+
+
+def check(pred: dict[str, Any], results: list[dict[str, Any]], target: str, same_regime: bool,
+          groups: list[Group] | None = None) -> list[Check]:
     """Each prediction for ``target`` against a run's result files: value predictions only in the same regime
-    (else "not tested"), orders in any; LR sensitivity needs a rate grid, which one rate per method is not."""
+    (else "not tested"), orders in any. A method run at one rate is read there (``_measured``); one run on a
+    rate grid (``groups``: the run's analysed groups) as the fits read the ladder (``_measured_grid``), which
+    is what LR sensitivity needs."""
     t = pred["targets"][target]
-    measured = _measured(results)
-    out = []
-    for m, v in t["max_logit"].items():
-        pid = f"max_logit {m} @ {target}"
-        shown = f"{v['value']:.3g} [{v['lo']:.3g}, {v['hi']:.3g}]"
-        if not same_regime:
-            out.append(Check(pid, "not tested", shown, "-", "the run is in another regime than the fits"))
-        elif "rates" in measured.get(m, {}):
-            out.append(Check(pid, "not tested", shown, "-", f"{m} ran at {measured[m]['rates']} rates, variants or "
-                                                            "grid points; a check reads one per method"))
-        elif "max_logit" not in measured.get(m, {}):
-            out.append(Check(pid, "not tested", shown, "-", f"no finished {m} cell"))
-        else:
-            x, runs = measured[m]["max_logit"], int(measured[m]["runs"])
-            lo, hi = logit_hit_interval(v, runs)
-            got = f"{x:.4g}" + (f" (geometric mean of {runs} seeds)" if runs > 1 else "")
-            if not (math.isfinite(lo) and math.isfinite(hi)) or hi <= lo:
-                out.append(Check(pid, "not tested", shown, got, "no hit interval: the file gives too few seeds"))
-                continue
-            why = (f"hit interval for {runs} run(s), their own seed noise added: [{lo:.3g}, {hi:.3g}]"
-                   if "run_sd" in v else "the interval as registered: the file gives no seed spread")
-            out.append(Check(pid, "hit" if lo <= x <= hi else "miss", shown, got, why))
+    measured = _measured(results) | (_measured_grid(groups) if groups else {})
+    out = [_check_value(f"{key} {m} @ {target}", v, measured.get(m, {}), key, same_regime)
+           for key in VALUES for m, v in (t.get(key) or {}).items()]
     orders = [_check_order(f"max_logit_order @ {target}", t["max_logit_order"], measured, "max_logit"),
               _check_order(f"high_rate_loss_order @ {target}", t["high_rate_loss_order"], measured, "report_loss")]
+    if any("sensitivity" in v for v in measured.values()):
+        orders.append(_check_order(f"sensitivity_order @ {target}", t["sensitivity_order"], measured, "sensitivity"))
     if not same_regime:  # e.g. one shared rate for every method, where the prediction is at 4x each one's own
         orders = [replace(c, why=f"{c.why}; another regime: an observation beside the prediction, not its test")
                   for c in orders]
-    out += orders
-    out.append(Check(f"sensitivity_order @ {target}", "not tested", order_text(t["sensitivity_order"]), "-",
-                     "LR sensitivity needs each method on a rate grid"))
-    return out
+    if len(orders) == 2:
+        orders.append(Check(f"sensitivity_order @ {target}", "not tested", order_text(t["sensitivity_order"]), "-",
+                            "LR sensitivity needs each method on a rate grid"))
+    return out + orders
 
 
 def format_checks(checks: list[Check]) -> list[str]:
@@ -280,10 +363,53 @@ def erratum(path: Path) -> str | None:
     return f"`{readme}`, section \"{line[3:]}\""
 
 
-def predictions_lines(studies: dict[str, dict[str, Any]], measured: list[dict[str, Any]] | None = None) -> list[str]:
+@dataclass(frozen=True)
+class LargerRun:
+    """A larger run's committed results: its result files, its analysed groups (a rate grid is read as the
+    fits read the ladder), and whether it runs in the fits' regime (value predictions are tested only there)."""
+
+    name: str
+    results: list[dict[str, Any]]
+    groups: list[Group]
+    same_regime: bool
+
+
+def first_target(pred: dict[str, Any], payload: str | None = None) -> str | None:
+    """The target a check reads by default: the first of ``TARGETS`` (in their order) the file predicts, or,
+    given ``payload``, the first that payload study measures; None where the file has none such."""
+    labels = [*[x for x in TARGETS if x in pred["targets"]], *[x for x in pred["targets"] if x not in TARGETS]]
+    return next((x for x in labels if payload is None or payload_of(x, pred["targets"][x]) == payload), None)
+
+
+def payload_of(label: str, target: dict[str, Any]) -> str | None:
+    """The payload study that measures a target: the file's ``payload`` where it names one, else the name in
+    the label's parentheses ("38M (gpu_payload: width 512, 12 layers)" -> "gpu_payload"), else None."""
+    if target.get("payload"):
+        return str(target["payload"])
+    m = re.search(r"\((\w+):", label)
+    return m.group(1) if m else None
+
+
+def larger_run(folder: Path, name: str) -> LargerRun | None:
+    """The results committed in ``folder`` as the payload study ``name``'s run, or None while there are none."""
+    if not folder.is_dir():
+        return None
+    results, studies = load_results([folder])
+    if not results:
+        return None
+    return LargerRun(name, results, analyze(results, studies).groups, name in SAME_REGIME)
+
+
+def gpu_results(root: Path = GPU_RESULTS) -> dict[str, LargerRun]:
+    """payload study -> its GPU run's committed results (``root``/NAME), for the payloads the targets name."""
+    names = {n for label in TARGETS if (n := payload_of(label, {})) is not None}
+    return {n: run for n in sorted(names) if (run := larger_run(root / n, n)) is not None}
+
+
+def predictions_lines(studies: dict[str, dict[str, Any]], runs: dict[str, LargerRun] | None = None) -> list[str]:
     """The report's section: each predictions file a study.json records (its hash checked), its predictions
-    for every target, and beside them the check against ``measured`` (a larger run's results), or "not yet
-    tested" while there are none."""
+    for every target, and beside them the check against the run of the payload study that measures that
+    target (``runs``: payload name -> its committed results), or "not yet tested" while there is none."""
     lines: list[str] = []
     for name, s in sorted(studies.items()):
         for rec in s.get("predictions") or []:
@@ -299,18 +425,10 @@ def predictions_lines(studies: dict[str, dict[str, Any]], measured: list[dict[st
                          f"written {rec.get('written')}, from {pred.get('source')}); regime: {pred.get('regime')}")
             if (note := erratum(path)) is not None:
                 lines.append(f"  - **Erratum** (written after it, the file unchanged): {note}")
-            for target in pred.get("targets", {}):
-                checks = (check(pred, measured, target, same_regime=False) if measured else
+            for target, t in pred.get("targets", {}).items():
+                run = (runs or {}).get(payload_of(target, t) or "")
+                checks = (check(pred, run.results, target, run.same_regime, run.groups) if run else
                           [Check(c.id, "not yet tested", c.predicted, "-", "no larger run yet")
                            for c in check(pred, [], target, same_regime=False)])
                 lines += [f"  - {line}" for line in format_checks(checks)]
     return ["## Predictions for larger models", "", *lines, ""] if lines else []
-
-
-def gpu_results(folder: Path = GPU_RESULTS) -> list[dict[str, Any]]:
-    """The committed results of a GPU run's payload ([] while there are none)."""
-    if not folder.is_dir():
-        return []
-    from qklab.study.analyze import load_results
-
-    return load_results([folder])[0]
