@@ -374,11 +374,16 @@ class LargerRun:
     same_regime: bool
 
 
+def target_labels(pred: dict[str, Any]) -> list[str]:
+    """A file's targets in the order of ``TARGETS`` (files are written with sorted keys), any others after."""
+    return [*[x for x in TARGETS if x in pred["targets"]], *[x for x in pred["targets"] if x not in TARGETS]]
+
+
 def first_target(pred: dict[str, Any], payload: str | None = None) -> str | None:
-    """The target a check reads by default: the first of ``TARGETS`` (in their order) the file predicts, or,
-    given ``payload``, the first that payload study measures; None where the file has none such."""
-    labels = [*[x for x in TARGETS if x in pred["targets"]], *[x for x in pred["targets"] if x not in TARGETS]]
-    return next((x for x in labels if payload is None or payload_of(x, pred["targets"][x]) == payload), None)
+    """The target a check reads by default: the first the file predicts (``target_labels``), or, given
+    ``payload``, the first that payload study measures; None where the file has none such."""
+    return next((x for x in target_labels(pred) if payload is None or payload_of(x, pred["targets"][x]) == payload),
+                None)
 
 
 def payload_of(label: str, target: dict[str, Any]) -> str | None:
@@ -425,8 +430,8 @@ def predictions_lines(studies: dict[str, dict[str, Any]], runs: dict[str, Larger
                          f"written {rec.get('written')}, from {pred.get('source')}); regime: {pred.get('regime')}")
             if (note := erratum(path)) is not None:
                 lines.append(f"  - **Erratum** (written after it, the file unchanged): {note}")
-            for target, t in pred.get("targets", {}).items():
-                run = (runs or {}).get(payload_of(target, t) or "")
+            for target in target_labels(pred):
+                run = (runs or {}).get(payload_of(target, pred["targets"][target]) or "")
                 checks = (check(pred, run.results, target, run.same_regime, run.groups) if run else
                           [Check(c.id, "not yet tested", c.predicted, "-", "no larger run yet")
                            for c in check(pred, [], target, same_regime=False)])
