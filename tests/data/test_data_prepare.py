@@ -80,7 +80,7 @@ def test_split_follows_hash_rule_and_eot_separates_documents(
     assert data.fingerprint["val_files"] == len(expected_val)
 
     train = data.train_tokens()
-    assert train.dtype == np.uint16 and not train.flags.writeable
+    assert train.dtype == np.dtype("<u2") and not train.flags.writeable
     assert int((train == data.eot_id).sum()) == len(expected_train) - 1
     assert train[0] != data.eot_id and train[-1] != data.eot_id
     # documents appear in sorted relative-path order, each exactly once
@@ -91,6 +91,22 @@ def test_split_follows_hash_rule_and_eot_separates_documents(
     again = prepare_data(DataConfig(**{**cfg.__dict__, "cache_dir": str(tmp_path / "c2")}), log=quiet)
     assert again.train_path.read_bytes() == data.train_path.read_bytes()
     assert again.val_path.read_bytes() == data.val_path.read_bytes()
+
+
+def test_token_files_are_little_endian_on_any_machine(
+    corpus: Path, good_files: dict[str, str], tmp_path: Path
+) -> None:
+    """The files (and the packs made of them) travel between machines: two bytes per id, low byte first,
+    whatever this machine's own byte order. Decoded here by hand from the raw bytes, not through numpy."""
+    cfg = DataConfig(
+        source=str(corpus), tokenizer="bytes", val_fraction=VAL_FRACTION, cache_dir=str(tmp_path / "c")
+    )
+    data = prepare_data(cfg, log=quiet)
+    raw = data.train_path.read_bytes()
+    ids = [int.from_bytes(raw[i : i + 2], "little") for i in range(0, len(raw), 2)]
+    first = sorted(r for r in good_files if not in_val(r, VAL_FRACTION))[0]
+    body = list(good_files[first].encode())  # the byte tokenizer: one id per UTF-8 byte
+    assert ids[: len(body) + 1] == body + [data.eot_id]
 
 
 def test_bpe_pipeline_and_cache_reuse(

@@ -10,8 +10,8 @@ A pack is a folder (``qklab tokens --out DIR`` writes one; ``data.token_pack = D
                      "splits": {"train": {"tokens": N, "sha256": ...}, "val": {...}}  (sha256 of the raw bytes),
                      "tokenizer_sha256": of tokenizer.json (BPE; null for bytes)}
     tokenizer.json  BPE only: the tokenizer as prepare_data caches it (the byte tokenizer needs none)
-    train.bin.xz    the train tokens, as in the token cache: raw uint16 ids in this machine's byte order
-    val.bin.xz      (little-endian on x86 and ARM), documents joined by eot_id, xz-compressed
+    train.bin.xz    the train tokens, as in the token cache: raw uint16 ids, little-endian on every machine,
+    val.bin.xz      documents joined by eot_id, xz-compressed
 
 Reading a pack checks that every identity field equals the config's and that each decompressed file has
 its recorded sha256, then writes the tokens into cfg.cache_dir under names the source's cache never uses

@@ -24,7 +24,7 @@ from .split import content_sha256, heldout_parts, split_documents
 from .tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 
 CACHE_FORMAT = "v1"  # bump when the layout of cached files changes
-TOKEN_DTYPE = np.uint16
+TOKEN_DTYPE = np.dtype("<u2")  # uint16, little-endian on every machine: token files and packs travel
 _CHUNK_DOCS = 256  # documents per encode_batch call
 _CHUNK_BYTES = 4 << 20  # or fewer documents once this much text is collected
 
@@ -41,11 +41,11 @@ class PreparedData:
     fingerprint: dict[str, Any]
 
     def train_tokens(self) -> np.ndarray:
-        """Read-only memmap of shape (n_train_tokens,), dtype uint16."""
+        """Read-only memmap of shape (n_train_tokens,), dtype uint16 (little-endian)."""
         return np.memmap(self.train_path, dtype=TOKEN_DTYPE, mode="r")
 
     def val_tokens(self) -> np.ndarray:
-        """Read-only memmap of shape (n_val_tokens,), dtype uint16."""
+        """Read-only memmap of shape (n_val_tokens,), dtype uint16 (little-endian)."""
         return np.memmap(self.val_path, dtype=TOKEN_DTYPE, mode="r")
 
     def select_tokens(self) -> np.ndarray:
