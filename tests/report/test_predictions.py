@@ -219,7 +219,7 @@ def test_what_a_run_measured_reads_losses_as_the_predictions_do():
 
     got = _measured([cell("none", "inf"), cell("qknorm", 5.0), cell("qkmap", 12.0), cell("quest", 9.0, logit="nan")])
     assert got["none"]["report_loss"] == l0 and got["qkmap"]["report_loss"] == l0 and got["quest"] == {
-        "report_loss": l0, "loss_runs": 1}
+        "report_loss": l0, "loss_runs": 1, "logit_lost": 1}
     pred = {"targets": {TARGET: {"max_logit": {}, "max_logit_order": [], "sensitivity_order": [],
                                  "high_rate_loss_order": [{"upper": "none", "lower": "qknorm", "relation": "above"}]}}}
     c = {x.id.split(" @ ")[0]: x for x in check(pred, [cell("none", "inf"), cell("qknorm", 5.0)], TARGET, True)}
@@ -282,6 +282,13 @@ def test_a_rate_grid_is_read_as_the_fits_read_the_ladder():
     assert c4.outcome == "not tested" and "4x its chosen rate (x4) is not on the grid" in c4.why
     c0 = check(one, [], TARGET, True, [_grid_group("none", "none", none_loss, none_logit, chosen=None)])[0]
     assert "no rate chosen" in c0.why
+    # a blow-up at x4 is named as one, not as a rate off the grid; one seed of two blown up is left out, said so
+    blown = {m: dict(v) for m, v in none_logit.items()} | {4.0: {0: math.nan, 1: math.inf}}
+    cb = check(one, [], TARGET, True, [_grid_group("none", "none", none_loss, blown)])[0]
+    assert cb.outcome == "not tested" and "every seed (2) blew up at 4x its chosen rate (x4)" in cb.why
+    half = {m: dict(v) for m, v in none_logit.items()} | {4.0: {0: 16.0, 1: math.nan}}
+    ch = check(one, [], TARGET, True, [_grid_group("none", "none", none_loss, half)])[0]
+    assert ch.outcome == "hit" and ch.measured == "16 (1 more seed(s) blew up: no finite max logit, left out)"
     spread = {"seeds": 3, "sd": 0.05, "run_sd": 0.05, "run_df": 6}
     pred = {"targets": {TARGET: {
         "max_logit": {}, "max_logit_order": [],

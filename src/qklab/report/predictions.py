@@ -214,11 +214,14 @@ def _measured(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def _at_rate(logits: list[float], losses: list[float], l0: float | None) -> dict[str, float]:
     """What the seeds of one run measured at one rate: their max logits' geometric mean (``runs`` of them, the
-    finite positive ones) and their losses' mean (``loss_runs``), a loss capped at ``l0`` and a non-finite one
-    counted as ``l0`` (without an L0, the finite losses alone)."""
+    finite positive ones; ``logit_lost`` counts the seeds whose max logit is not finite, a blow-up) and their
+    losses' mean (``loss_runs``), a loss capped at ``l0`` and a non-finite one counted as ``l0`` (without an
+    L0, the finite losses alone)."""
     logs = [math.log10(x) for x in logits if math.isfinite(x) and x > 0]
     kept = [capped_loss(x, l0) for x in losses] if l0 is not None else [x for x in losses if math.isfinite(x)]
     out = {"report_loss": sum(kept) / len(kept), "loss_runs": len(kept)} if kept else {}
+    if lost := sum(1 for x in logits if not math.isfinite(x)):  # blew up: no max logit to read
+        out["logit_lost"] = lost
     return out | ({"max_logit": 10 ** (sum(logs) / len(logs)), "runs": len(logs)} if logs else {})
 
 
@@ -296,7 +299,11 @@ def _check_value(pid: str, v: dict[str, float], got: dict[str, Any], key: str, s
         return Check(pid, "not tested", shown, "-", f"its rate grid is incomplete ({got['grid']})")
     if what not in got:
         chosen = got.get("chosen", math.nan)
+        lost = got.get("logit_lost", 0) if what == "max_logit" else 0
+        where = f"at {HIGH:g}x its chosen rate (x{HIGH * got['chosen']:g})" if got.get("chosen") else "at its rate"
         why = ("LR sensitivity needs the method on a rate grid" if key == "sensitivity" else
+               f"every seed ({lost}) blew up {where}: no finite max logit to compare (a blow-up is above any "
+               "finite value predicted, so it is no hit; it is not counted as a miss)" if lost else
                "no finished cell" if "chosen" not in got else
                "no rate chosen: every rate diverged or did not learn" if chosen is None else
                f"{HIGH:g}x its chosen rate (x{chosen:g}) is not on the grid or did not finish")
@@ -305,8 +312,10 @@ def _check_value(pid: str, v: dict[str, float], got: dict[str, Any], key: str, s
     lo, hi = hit_interval(v, runs, log_y)
     if key == "sensitivity":  # it cannot fall below 0 (the interval's part below says nothing)
         lo = max(lo, 0.0)
+    lost = got.get("logit_lost", 0) if what == "max_logit" else 0
     measured = (f"{x:.4g}" if log_y else f"{x:.3f}") + (
-        f" ({'geometric ' if log_y else ''}mean of {runs} seeds)" if runs > 1 else "")
+        f" ({'geometric ' if log_y else ''}mean of {runs} seeds)" if runs > 1 else "") + (
+        f" ({lost} more seed(s) blew up: no finite max logit, left out)" if lost else "")
     if not (math.isfinite(lo) and math.isfinite(hi)) or hi <= lo:
         return Check(pid, "not tested", shown, measured, "no hit interval: the file gives too few seeds")
     why = (f"hit interval for {runs} run(s), their own seed noise added: "
