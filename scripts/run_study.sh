@@ -47,9 +47,12 @@ if [ ! -d "$clone" ]; then
 fi
 [ "$(git -C "$clone" rev-parse HEAD)" = "$commit" ] || { echo "error: $clone is not at $commit" >&2; exit 2; }
 echo "study $study from commit ${commit:0:12} in $clone; results in $results"
+# --no-report: the committer builds every report, the last one too, with this checkout's code (report/ reads
+# result files only); the clone's commit, older, may not build one (e435ac4's claims.py imports a module
+# committed after it), and a failed report there would make a finished study exit non-zero
 (cd "$clone" && env -u QKLAB_ALLOW_DIRTY PYTHONPATH="$clone/src" "$py" -m qklab study run "studies/$study.toml" \
    --workers "${QKLAB_WORKERS:-2}" ${QKLAB_THREADS:+--threads "$QKLAB_THREADS"} --results "$results" \
-   --out "$runs/$study") &
+   --out "$runs/$study" --no-report) &
 run=$!
 mkdir -p "$results"
 interval=${QKLAB_COMMIT_INTERVAL:-120}

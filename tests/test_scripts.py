@@ -158,7 +158,7 @@ def test_run_study_starts_from_head_in_a_clean_clone(tmp_path):
     rc, log, err = _run_study(repo, rc=1)
     assert rc == 1
     assert log == [f"{head} -m qklab study run studies/a.toml --workers 2 --results {repo}/docs/results/a "
-                   f"--out {tmp_path}/runs/a"]
+                   f"--out {tmp_path}/runs/a --no-report"]
     assert "note: uncommitted changes (notes.md) are not part of this study; it runs from HEAD" in err
     assert (tmp_path / "runs" / "clones" / f"a-{head[:12]}" / "notes.md").read_text() == "one\n"
 
@@ -216,7 +216,7 @@ def test_run_study_refuses_to_continue_from_a_commit_whose_study_file_was_since_
     results.mkdir(parents=True)
     (results / "study.json").write_text(json.dumps({"name": "a", "code": [{"commit": first}]}))
     assert _run_study(repo)[:2] == (0, [f"{first} -m qklab study run studies/a.toml --workers 2 --results "
-                                        f"{results} --out {tmp_path}/runs/a"])  # unchanged: it continues
+                                        f"{results} --out {tmp_path}/runs/a --no-report"])  # unchanged: it continues
     (repo / "studies" / "a.toml").write_text("[study]\nname = 'a'\nseeds = [0, 1]\n")
     subprocess.run([*GIT, "commit", "-qam", "amend"], cwd=repo, check=True)
     amended = subprocess.run(["git", "log", "-1", "--format=%h"], cwd=repo, capture_output=True, text=True).stdout
