@@ -297,9 +297,9 @@ def _check_value(pid: str, v: dict[str, float], got: dict[str, Any], key: str, s
                                                     "check reads one run (or one rate grid) per method")
     if "grid" in got:
         return Check(pid, "not tested", shown, "-", f"its rate grid is incomplete ({got['grid']})")
+    lost = got.get("logit_lost", 0) if what == "max_logit" else 0  # seeds that blew up: no max logit
     if what not in got:
         chosen = got.get("chosen", math.nan)
-        lost = got.get("logit_lost", 0) if what == "max_logit" else 0
         where = f"at {HIGH:g}x its chosen rate (x{HIGH * got['chosen']:g})" if got.get("chosen") else "at its rate"
         why = ("LR sensitivity needs the method on a rate grid" if key == "sensitivity" else
                f"every seed ({lost}) blew up {where}: no finite max logit to compare (a blow-up is above any "
@@ -312,7 +312,6 @@ def _check_value(pid: str, v: dict[str, float], got: dict[str, Any], key: str, s
     lo, hi = hit_interval(v, runs, log_y)
     if key == "sensitivity":  # it cannot fall below 0 (the interval's part below says nothing)
         lo = max(lo, 0.0)
-    lost = got.get("logit_lost", 0) if what == "max_logit" else 0
     measured = (f"{x:.4g}" if log_y else f"{x:.3f}") + (
         f" ({'geometric ' if log_y else ''}mean of {runs} seeds)" if runs > 1 else "") + (
         f" ({lost} more seed(s) blew up: no finite max logit, left out)" if lost else "")
